@@ -1,0 +1,37 @@
+# The two commands of the README: `make serve` and `make test`. Both create .venv/ on a fresh
+# clone and install what they need; nothing is installed by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# A user who brings their own torch (a CUDA build) sets TORCH_REQ= on the command line.
+TORCH_REQ ?= requirements/torch-cpu.txt
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint bench clean
+
+$(VENV)/.stamp-base: pyproject.toml $(TORCH_REQ)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_REQ),$(PIP) install -q -r $(TORCH_REQ))
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+serve: $(VENV)/.stamp-base
+	$(VENV)/bin/ringserve serve $(ARGS)
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.stamp-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.stamp-base
+	$(PY) benchmarks/block_manager_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

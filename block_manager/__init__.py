@@ -1,0 +1,36 @@
+"""Ring KV block management, in pure Python (no torch): pools, block tables, budget."""
+
+from block_manager.budget import (
+    Capacity,
+    KVCacheSpec,
+    LayerGroup,
+    capacity,
+    group_layers,
+    parse_size,
+    plan_num_blocks,
+)
+from block_manager.manager import KVCacheError, KVCacheManager, KVStats, RequestTooLargeError
+from block_manager.pool import BlockPool, BlockPoolError
+from block_manager.ring import blocks_for_tokens, ring_length, table_index
+from block_manager.table import SKIP_SLOT, BlockTable
+
+__all__ = [
+    "SKIP_SLOT",
+    "BlockPool",
+    "BlockPoolError",
+    "BlockTable",
+    "Capacity",
+    "KVCacheError",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVStats",
+    "LayerGroup",
+    "RequestTooLargeError",
+    "blocks_for_tokens",
+    "capacity",
+    "group_layers",
+    "parse_size",
+    "plan_num_blocks",
+    "ring_length",
+    "table_index",
+]

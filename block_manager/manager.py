@@ -1,0 +1,239 @@
+"""Per-sequence block tables over per-group pools, with admission against reservations."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from block_manager.budget import Capacity, KVCacheSpec, capacity
+from block_manager.pool import BlockPool
+from block_manager.table import SKIP_SLOT, BlockTable
+
+
+class RequestTooLargeError(ValueError):
+    """A request needs more blocks than a whole pool holds: it can never be admitted."""
+
+
+class KVCacheError(RuntimeError):
+    """The manager was used against its contract (unknown sequence, reservation exceeded)."""
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of the cache's counters and gauges (summed over groups unless per-group)."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_reserved: int
+    ring_block_recycles: int
+    ring_slot_overwrites: int
+    read_misses: int
+    num_sequences: int
+    blocks_used_per_group: tuple[int, ...]
+    blocks_reserved_per_group: tuple[int, ...]
+    blocks_total_per_group: tuple[int, ...]
+
+
+class _SeqState:
+    __slots__ = ("max_tokens", "reserved", "tables")
+
+    def __init__(self, tables: list[BlockTable], reserved: tuple[int, ...], max_tokens: int):
+        self.tables = tables
+        self.reserved = reserved
+        self.max_tokens = max_tokens
+
+
+class KVCacheManager:
+    """Owns the block pools of every layer group and every sequence's tables.
+
+    A sequence is admitted with the number of tokens it may ever hold (prompt +
+    max_tokens); its per-group reservation ``min(ceil(n / b), R)`` is set aside, so the
+    blocks it later takes lazily are always there: no preemption, ever.
+
+    Args:
+        spec: block size, dtype size and layer groups.
+        num_blocks: blocks per group (see `budget.plan_num_blocks`).
+        max_model_len: the longest sequence served (used in the capacity statement).
+        debug: keep a shadow of which (sequence, position) each slot holds, so that
+            `check_reads` can count read misses. Costs O(window) per read check.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: Sequence[int],
+        *,
+        max_model_len: int,
+        debug: bool = False,
+    ) -> None:
+        if len(num_blocks) != len(spec.groups):
+            raise ValueError(f"need one block count per group ({len(spec.groups)})")
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.pools = [BlockPool(n) for n in num_blocks]
+        self.ring_blocks = [spec.ring_blocks(i) for i in range(len(spec.groups))]
+        self.debug = debug
+        self._seqs: dict[Hashable, _SeqState] = {}
+        self._reserved = [0] * len(spec.groups)
+        self._recycles = 0
+        self._overwrites = 0
+        self._read_misses = 0
+        self._shadow: list[dict[int, tuple[Hashable, int]]] = [{} for _ in spec.groups]
+
+    # -- admission ---------------------------------------------------------------------
+
+    def reservation(self, prompt_len: int, max_tokens: int) -> tuple[int, ...]:
+        """Blocks per group a request of ``prompt_len + max_tokens`` tokens may take."""
+        return self.spec.blocks_needed(prompt_len + max_tokens)
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise `RequestTooLargeError` if the request could never fit the pools."""
+        need = self.reservation(prompt_len, max_tokens)
+        for i, (n, pool) in enumerate(zip(need, self.pools, strict=True)):
+            if n > pool.num_blocks:
+                raise RequestTooLargeError(
+                    f"request needs {n} blocks of {self.spec.block_size} tokens in layer "
+                    f"group {self.spec.groups[i].name} (prompt {prompt_len} + max_tokens "
+                    f"{max_tokens} = {prompt_len + max_tokens} tokens) but the whole pool "
+                    f"holds {pool.num_blocks}; it can never be admitted"
+                )
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """True if the request's reservation fits beside every admitted one right now."""
+        need = self.reservation(prompt_len, max_tokens)
+        return all(
+            r + n <= pool.num_blocks
+            for r, n, pool in zip(self._reserved, need, self.pools, strict=True)
+        )
+
+    def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int) -> None:
+        """Reserve a sequence's blocks; its tables start empty and fill lazily.
+
+        Raises:
+            RequestTooLargeError: it can never fit.
+            KVCacheError: the id is taken, or it does not fit now (call `can_admit`).
+        """
+        self.check_request(prompt_len, max_tokens)
+        if seq_id in self._seqs:
+            raise KVCacheError(f"sequence {seq_id!r} is already admitted")
+        if not self.can_admit(prompt_len, max_tokens):
+            raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
+        need = self.reservation(prompt_len, max_tokens)
+        for i, n in enumerate(need):
+            self._reserved[i] += n
+        tables = [
+            BlockTable(pool, self.spec.block_size, ring)
+            for pool, ring in zip(self.pools, self.ring_blocks, strict=True)
+        ]
+        self._seqs[seq_id] = _SeqState(tables, need, prompt_len + max_tokens)
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free a sequence's blocks and its reservation (finished or aborted)."""
+        state = self._state(seq_id)
+        for i, table in enumerate(state.tables):
+            if self.debug:
+                for block in table.blocks:
+                    self._forget_block(i, block)
+            table.free()
+            self._reserved[i] -= state.reserved[i]
+        del self._seqs[seq_id]
+
+    # -- per step ----------------------------------------------------------------------
+
+    def append(self, seq_id: Hashable, num_new: int) -> list[list[int]]:
+        """Store ``num_new`` more positions of a sequence; returns slot mappings per group.
+
+        A slot of `SKIP_SLOT` (-1) marks a position the write must skip because a later
+        position of the same step takes its slot.
+
+        Raises:
+            KVCacheError: the sequence would exceed the tokens it was admitted for.
+        """
+        state = self._state(seq_id)
+        start = state.tables[0].num_tokens
+        if start + num_new > state.max_tokens:
+            raise KVCacheError(
+                f"sequence {seq_id!r} would hold {start + num_new} tokens, more than the "
+                f"{state.max_tokens} it was admitted for"
+            )
+        mappings = []
+        for i, table in enumerate(state.tables):
+            slots, recycled, overwritten = table.append(num_new)
+            self._recycles += recycled
+            self._overwrites += overwritten
+            if self.debug:
+                self._record(i, seq_id, start, slots)
+            mappings.append(slots)
+        return mappings
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """The sequence's table row per group (a ring row holds at most ``R`` ids)."""
+        return [table.blocks for table in self._state(seq_id).tables]
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Positions stored so far for the sequence."""
+        return self._state(seq_id).tables[0].num_tokens
+
+    def check_reads(self, seq_id: Hashable, query_start: int) -> int:
+        """Debug: check that the cached positions queries from ``query_start`` on will read
+        (``[max(0, query_start - w + 1), query_start)`` per group) still hold their data.
+
+        Returns:
+            Read misses found now (also added to the counter). Always 0 unless ``debug``.
+        """
+        if not self.debug:
+            return 0
+        misses = 0
+        for i, table in enumerate(self._state(seq_id).tables):
+            window = self.spec.groups[i].window
+            lo = 0 if window is None else max(0, query_start - window + 1)
+            shadow = self._shadow[i]
+            for p in range(lo, query_start):
+                if shadow.get(table.slot(p)) != (seq_id, p):
+                    misses += 1
+        self._read_misses += misses
+        return misses
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def stats(self) -> KVStats:
+        used = tuple(p.num_used for p in self.pools)
+        total = tuple(p.num_blocks for p in self.pools)
+        return KVStats(
+            blocks_total=sum(total),
+            blocks_used=sum(used),
+            blocks_reserved=sum(self._reserved),
+            ring_block_recycles=self._recycles,
+            ring_slot_overwrites=self._overwrites,
+            read_misses=self._read_misses,
+            num_sequences=len(self._seqs),
+            blocks_used_per_group=used,
+            blocks_reserved_per_group=tuple(self._reserved),
+            blocks_total_per_group=total,
+        )
+
+    def capacity(self) -> Capacity:
+        return capacity(self.spec, [p.num_blocks for p in self.pools], self.max_model_len)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _state(self, seq_id: Hashable) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KVCacheError(f"unknown sequence {seq_id!r}") from None
+
+    def _record(self, group: int, seq_id: Hashable, start: int, slots: list[int]) -> None:
+        shadow = self._shadow[group]
+        for offset, slot in enumerate(slots):
+            if slot != SKIP_SLOT:
+                shadow[slot] = (seq_id, start + offset)
+
+    def _forget_block(self, group: int, block: int) -> None:
+        b = self.spec.block_size
+        shadow = self._shadow[group]
+        for slot in range(block * b, (block + 1) * b):
+            shadow.pop(slot, None)

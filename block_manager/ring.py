@@ -1,0 +1,62 @@
+"""The ring rule, written once: where a position lives and how many blocks a sequence holds.
+
+For a layer group with window ``w`` and block size ``b`` the ring has ``R = ceil(w / b)``
+blocks, ``C = R * b >= w`` token slots. Position ``p`` lives in logical block ``p // b``,
+which sits in entry ``(p // b) % R`` of the sequence's table row::
+
+    b = 2, w = 5  ->  R = 3, C = 6
+    position   0 1 | 2 3 | 4 5 | 6 7 | 8 9 | ...
+    entry      0   |  1  |  2  |  0  |  1  | ...   (entries 0, 1 recycled from position 6 on)
+
+Writing ``p`` overwrites ``p - C``; since ``C >= w`` no present or future query (which sees
+``i - w < j <= i``) can still need it. A full-attention group is the case ``R = None``: the
+row grows one entry per ``b`` tokens.
+"""
+
+from __future__ import annotations
+
+
+def ring_length(window: int | None, block_size: int) -> int | None:
+    """Blocks in a ring for ``window`` tokens: ``ceil(window / block_size)``, None if full."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if window is None:
+        return None
+    if window < 1:
+        raise ValueError(f"sliding window must be >= 1 or None, got {window}")
+    return -(-window // block_size)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int, ring_blocks: int | None) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens holds: ``min(ceil(n / b), R)``.
+
+    This one function both predicts a request's reservation and decides when a table takes
+    a new block, so the two cannot disagree.
+    """
+    needed = -(-num_tokens // block_size)
+    return needed if ring_blocks is None else min(needed, ring_blocks)
+
+
+def table_index(position: int, block_size: int, ring_blocks: int | None) -> int:
+    """Entry of the table row that holds ``position``: ``(p // b) % R`` (or ``p // b``)."""
+    logical = position // block_size
+    return logical if ring_blocks is None else logical % ring_blocks
+
+
+def recycles_between(old_len: int, new_len: int, block_size: int, ring_blocks: int | None) -> int:
+    """Physical blocks reused in place when a sequence grows from ``old_len`` to ``new_len``.
+
+    A block is recycled each time a logical block ``k >= R`` is started.
+    """
+    if ring_blocks is None:
+        return 0
+    started_before = -(-old_len // block_size)
+    started_after = -(-new_len // block_size)
+    return max(0, started_after - max(started_before, ring_blocks))
+
+
+def overwrites_between(old_len: int, new_len: int, capacity: int | None) -> int:
+    """Positions stored in ``[old_len, new_len)`` that displace an expired one (``p >= C``)."""
+    if capacity is None:
+        return 0
+    return max(0, new_len - max(old_len, capacity))
