@@ -1,0 +1,12 @@
+"""Paged ring attention and KV cache writes: Triton kernels with a torch reference each.
+
+`paged_attention` and `write_kv` dispatch to Triton on CUDA tensors and to the torch
+reference (`kernels.reference`) elsewhere; see DESIGN.md §5 for the contract.
+"""
+
+from __future__ import annotations
+
+from kernels.api import paged_attention, write_kv
+from kernels.reference import paged_attention_reference, write_kv_reference
+
+__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "write_kv_reference"]

@@ -1,0 +1,172 @@
+"""The index work of one torch-path attention step, computed once and reused by every layer.
+
+All layers of a step (of one layer group) call attention with the same block tables,
+`query_start_loc` and `context_lens`; only K/V differ. On the CPU, the dozen small index
+ops that map each row's window to cache rows cost as much as the attention of a short
+batch, so the plan is cached per thread and reused when the next call's index tensors are
+*equal* (compared by value, not identity: a caller may refill one buffer every step).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kernels.torch_gather import slot_rows
+
+# NOTE: one entry per layer group that alternates within a step (e.g. sliding + full).
+_CACHE_ENTRIES = 4
+# NOTE: decode rows are padded to the longest window of their group; a row whose window is
+# under half its group's longest (and the longest is past this many keys) opens a new group,
+# so padding at most doubles the gather (full attention mixes very different lengths).
+_GROUP_MIN_KEYS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillRow:
+    """One sequence with new tokens `start:end` served alone (a chunk, or an empty context).
+
+    `rows` are the cache rows of its window positions `[lo, ctx)`, in position order.
+    """
+
+    start: int
+    end: int
+    ctx: int
+    lo: int
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeRows:
+    """A group of one-token rows with a cached context, served together.
+
+    Row i reads `rows[i]` (its window, padded) then its fresh K/V into the last column;
+    `valid[i]` masks the padding. `tokens` are the rows' indices into the packed batch.
+    """
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """What `paged_attention_reference` needs besides the tensors' values."""
+
+    key: tuple[object, ...]
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    prefill: list[PrefillRow]
+    decode: list[DecodeRows]
+
+
+def _decode_rows(
+    block_tables: torch.Tensor,
+    seqs: list[int],
+    tokens: list[int],
+    ctxs: list[int],
+    settings: tuple[int, int | None, int | None],
+) -> DecodeRows:
+    block_size, window, ring = settings
+    dev = block_tables.device
+    ctx = torch.tensor(ctxs, device=dev)
+    lo = torch.zeros_like(ctx) if window is None else (ctx - window + 1).clamp(min=0)
+    length = ctx - lo
+    width = int(length.max()) + 1  # + the fresh key
+    col = torch.arange(width, device=dev)[None, :]
+    in_window = col < length[:, None]
+    # Padding columns re-read position ctx - 1: inside the window, so never garbage.
+    positions = torch.where(in_window, lo[:, None] + col, ctx[:, None] - 1)
+    seq_t = torch.tensor(seqs, device=dev)[:, None]
+    return DecodeRows(
+        tokens=torch.tensor(tokens, device=dev),
+        rows=slot_rows(block_tables, seq_t, positions, block_size, ring),
+        valid=in_window | (col == width - 1),
+    )
+
+
+def _build(
+    key: tuple[object, ...],
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    settings: tuple[int, int | None, int | None],
+) -> StepPlan:
+    block_tables, query_start_loc, context_lens = index
+    block_size, window, ring = settings
+    starts = query_start_loc.tolist()
+    ctxs = context_lens.tolist()
+    prefill: list[PrefillRow] = []
+    seqs: list[int] = []
+    tokens: list[int] = []
+    for seq, ctx in enumerate(ctxs):
+        start, end = starts[seq], starts[seq + 1]
+        if end - start == 1 and ctx > 0:
+            seqs.append(seq)
+            tokens.append(start)
+        elif end > start:
+            lo = 0 if window is None else max(0, ctx - window + 1)
+            positions = torch.arange(lo, ctx, device=block_tables.device)
+            rows = slot_rows(block_tables, seq, positions, block_size, ring)
+            prefill.append(PrefillRow(start=start, end=end, ctx=ctx, lo=lo, rows=rows))
+    decode = [_decode_rows(block_tables, [seqs[i] for i in group], [tokens[i] for i in group],
+                           [ctxs[seqs[i]] for i in group], settings)
+              for group in _length_groups([ctxs[s] for s in seqs], window)]  # fmt: skip
+    return StepPlan(key=key, index=index, prefill=prefill, decode=decode)
+
+
+def _length_groups(ctxs: list[int], window: int | None) -> list[list[int]]:
+    """Indices of `ctxs` grouped by window length, longest first, padding at most ~2x."""
+    lengths = [c if window is None else min(c, window - 1) for c in ctxs]
+    order = sorted(range(len(ctxs)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        top = lengths[groups[-1][0]] if groups else 0
+        if not groups or (2 * lengths[i] < top and top > _GROUP_MIN_KEYS):
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+class _PlanCache(threading.local):
+    def __init__(self) -> None:
+        self.entries: list[StepPlan] = []
+
+
+_PLANS = _PlanCache()
+
+
+def step_plan(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    block_size: int,
+    window: int | None,
+    ring: int | None,
+) -> StepPlan:
+    """The (cached) plan of a step.
+
+    Args:
+        block_tables, query_start_loc, context_lens: as `kernels.paged_attention`.
+        block_size: tokens per cache block.
+        window: sliding window or None.
+        ring: ring length R or None.
+
+    Returns:
+        A plan equal to a fresh build for these values.
+    """
+    index = (block_tables, query_start_loc, context_lens)
+    key: tuple[object, ...] = (block_size, window, ring, block_tables.device,
+                               *((t.shape, t.dtype) for t in index))  # fmt: skip
+    entries = _PLANS.entries
+    for i, plan in enumerate(entries):
+        same = plan.key == key and all(map(torch.equal, plan.index, index))
+        if same:
+            entries.insert(0, entries.pop(i))
+            return plan
+    settings = (block_size, window, ring)
+    copies = (block_tables.clone(), query_start_loc.clone(), context_lens.clone())
+    plan = _build(key, copies, settings)
+    entries.insert(0, plan)
+    del entries[_CACHE_ENTRIES:]
+    return plan
