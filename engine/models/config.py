@@ -1,0 +1,159 @@
+"""What our models need from a transformers config, read once and checked.
+
+Each family maps its HF config onto one `ModelConfig`: the decoder code then has no
+`model_type` branches, only flags. A config that asks for something we do not implement
+(an unknown RoPE scaling, a bidirectional Gemma) is refused here, at load, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+
+
+class UnsupportedConfigError(ValueError):
+    """The checkpoint's config asks for a feature ringserve does not implement."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary embedding of one layer: ``theta``, linear ``factor`` and the rotated fraction."""
+
+    theta: float
+    factor: float = 1.0
+    partial_factor: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The architecture of a decoder-only model, family differences reduced to flags."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    layer_windows: tuple[int | None, ...]
+    layer_ropes: tuple[RopeConfig, ...]
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    fused_qkv: bool = False  # phi3: one qkv_proj, one gate_up_proj
+    attn_scale: float = 0.0  # 0 = head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    gemma: bool = False  # (1 + w) RMSNorm, scaled embedding, q/k norms, four norms a layer
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size) if self.gemma else 1.0
+
+
+def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"rope_scaling type {kind!r} ({where}) is not implemented; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(params.get("rope_theta", 10000.0)),
+        factor=float(params.get("factor", 1.0)) if kind == "linear" else 1.0,
+        partial_factor=float(params.get("partial_rotary_factor", 1.0)),
+    )
+
+
+def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
+    """Per-layer sliding window, exactly as the HF modeling code of each family reads it."""
+    n: int = cfg.num_hidden_layers
+    window: int | None = getattr(cfg, "sliding_window", None)
+    if model_type in ("mistral", "phi3"):  # one window for every layer, if set
+        return (window,) * n
+    if model_type in ("qwen2", "gemma3_text"):  # per layer, from layer_types
+        types = list(cfg.layer_types)
+        for t in types:
+            if t not in ("sliding_attention", "full_attention"):
+                raise UnsupportedConfigError(f"layer type {t!r} is not implemented")
+        # NOTE: a window on a config whose layers are all full attention is ignored, as
+        # transformers does (vLLM once applied it to every layer).
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * n  # llama has no window
+
+
+def _eos(cfg: Any) -> tuple[int, ...]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def model_config_from_hf(cfg: Any) -> ModelConfig:
+    """Translate a transformers config of a supported family into a `ModelConfig`.
+
+    Raises:
+        UnsupportedConfigError: an unknown family or a feature we do not implement.
+    """
+    model_type = cfg.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gemma = model_type == "gemma3_text"
+    if gemma and getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedConfigError("use_bidirectional_attention is not implemented")
+    windows = _windows(cfg, model_type)
+    # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
+    attention_bias = model_type in ("llama", "gemma3_text") and bool(
+        getattr(cfg, "attention_bias", False)
+    )
+    if gemma:
+        ropes = tuple(
+            _rope(cfg.rope_parameters["sliding_attention" if w else "full_attention"], "gemma")
+            for w in windows
+        )
+    else:
+        ropes = (_rope(cfg.rope_parameters, model_type),) * cfg.num_hidden_layers
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        hidden_act=cfg.hidden_activation if gemma else cfg.hidden_act,
+        layer_windows=windows,
+        layer_ropes=ropes,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        fused_qkv=model_type == "phi3",
+        attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else 0.0,
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
+        final_softcap=getattr(cfg, "final_logit_softcapping", None),
+        gemma=gemma,
+        eos_token_ids=_eos(cfg),
+    )
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")

@@ -1,0 +1,166 @@
+"""Building blocks shared by every family: norms, rotary embeddings, MLPs, paged attention."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.forward_batch import ForwardBatch
+from engine.models.config import ModelConfig, RopeConfig, UnsupportedConfigError
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. ``plus_one``: Gemma's ``x * (1 + w)``, cast after the multiply."""
+
+    def __init__(self, dim: int, eps: float, *, plus_one: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables of one RoPE configuration, computed once and indexed per step.
+
+    The table is built in float32 exactly as transformers computes it per call
+    (``position * inv_freq``, then cos/sin), so indexing it gives the same numbers.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        self.rot_dim = int(head_dim * rope.partial_factor)
+        # NOTE: on the CPU explicitly: models are built under the meta device.
+        exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device="cpu").float()
+        exponents = exponents / self.rot_dim
+        self.inv_freq = 1.0 / (rope.theta**exponents) / rope.factor
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def _table(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self._tables.get((device, dtype))
+        if table is None or table.shape[1] < length:  # [cos/sin, positions, rot_dim]
+            size = max(length, 2 * (0 if table is None else table.shape[1]), 4096)
+            positions = torch.arange(size, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = torch.stack((emb.cos(), emb.sin())).to(device=device, dtype=dtype)
+            self._tables[(device, dtype)] = table
+        return table
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, 1, rot_dim] for ``positions`` (all below ``max_position``)."""
+        table = self._table(max_position, positions.device, dtype)
+        picked = table[:, positions][:, :, None, :]
+        return picked[0], picked[1]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` features of ``x`` [tokens, heads, head_dim] (half-split)."""
+    rot_dim = cos.shape[-1]
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+class MLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))``; phi3 keeps gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise UnsupportedConfigError(f"activation {cfg.hidden_act!r} is not implemented")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.fused = cfg.fused_qkv
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        if self.fused:
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=bias)
+            self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        return out
+
+
+class Attention(nn.Module):
+    """Self-attention over the ring: attend to cache + fresh K/V first, write K/V after."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.group = group
+        self.window = cfg.layer_windows[layer]
+        self.scale = cfg.scale
+        self.softcap = cfg.attn_softcap
+        h = cfg.hidden_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.fused = cfg.fused_qkv
+        if self.fused:
+            self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, q_size, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
+        self.qk_norm = cfg.gemma
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=True)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.fused:
+            q_size = self.num_heads * self.head_dim
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        tables = batch.groups[self.group]
+        key_cache, value_cache = kv_cache
+        out = kernels.paged_attention(
+            q, k, v, key_cache, value_cache, tables.block_tables, batch.query_start_loc,
+            batch.context_lens, scale=self.scale, sliding_window=self.window,
+            ring_blocks=tables.ring_blocks, softcap=self.softcap,
+        )
+        kernels.write_kv(k, v, key_cache, value_cache, tables.slot_mapping)
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return result

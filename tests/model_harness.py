@@ -1,0 +1,88 @@
+"""Drive one of our models over the ring for tests: chunked prefill, decode, greedy loops.
+
+The caches start full of NaN, so any read of a slot the step did not write shows up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from block_manager import KVCacheManager
+from engine.forward_batch import SeqStep, build_forward_batch
+from engine.kv_cache import allocate_kv_caches, kv_cache_spec
+from engine.model_loader import load_model
+from engine.models import CausalLM
+
+
+class RingHarness:
+    """One model, one KV manager (debug mode), NaN-poisoned caches."""
+
+    def __init__(self, model: CausalLM, block_size: int, max_tokens: int,
+                 num_seqs: int = 1) -> None:
+        self.model = model
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        self.spec = kv_cache_spec(cfg, block_size, dtype)
+        need = self.spec.blocks_needed(max_tokens)
+        self.kv = KVCacheManager(self.spec, [n * num_seqs for n in need],
+                                 max_model_len=max_tokens, debug=True)
+        self.caches = allocate_kv_caches(self.spec, [n * num_seqs for n in need],
+                                         cfg.num_layers, dtype, "cpu")
+        for k, v in self.caches:
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        self.windows = [g.window for g in self.spec.groups]
+        self.rings = [self.spec.ring_blocks(i) for i in range(len(self.spec.groups))]
+        self.max_tokens = max_tokens
+
+    @torch.no_grad()
+    def step(self, chunks: dict[int, Sequence[int]],
+             last_only: bool = False) -> dict[int, torch.Tensor]:
+        """Run one packed step; returns each sequence's logits at every new token (or at
+        its last new token only)."""
+        steps, ids = [], []
+        for sid, tokens in chunks.items():
+            if sid not in self.kv:
+                self.kv.admit(sid, self.max_tokens, 0)
+            ctx = self.kv.num_tokens(sid)
+            assert self.kv.check_reads(sid, ctx) == 0
+            slots = self.kv.append(sid, len(tokens))
+            steps.append(SeqStep(ctx, len(tokens), self.kv.block_tables(sid), slots))
+            ids += list(tokens)
+        batch = build_forward_batch(steps, self.windows, self.rings)
+        hidden = self.model(torch.tensor(ids), batch, self.caches)
+        out, start = {}, 0
+        for sid, tokens in chunks.items():
+            rows = hidden[start + len(tokens) - 1 if last_only else start : start + len(tokens)]
+            out[sid] = self.model.compute_logits(rows)
+            start += len(tokens)
+        return out
+
+    def logits_in_chunks(self, tokens: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens`` in chunks of the given sizes (the last size repeats)."""
+        parts, pos, i = [], 0, 0
+        while pos < len(tokens):
+            n = sizes[min(i, len(sizes) - 1)]
+            parts.append(self.step({0: tokens[pos : pos + n]})[0])
+            pos, i = pos + n, i + 1
+        return torch.cat(parts)
+
+    def greedy(self, prompt: Sequence[int], new_tokens: int, sid: int = 0) -> list[int]:
+        """Prefill ``prompt`` in one chunk, then decode greedily one token a step."""
+        logits = self.step({sid: prompt}, last_only=True)[sid][-1]
+        out = []
+        for _ in range(new_tokens):
+            token = int(torch.argmax(logits))
+            out.append(token)
+            if len(out) == new_tokens:
+                break
+            logits = self.step({sid: [token]}, last_only=True)[sid][-1]
+        assert self.kv.stats().read_misses == 0
+        return out
+
+
+def load_ours(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Our model for an HF folder, through the engine's own loader."""
+    return load_model(path, dtype=dtype)

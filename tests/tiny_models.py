@@ -1,0 +1,104 @@
+"""Tiny random checkpoints of every family, saved with ``save_pretrained``.
+
+Each has a small window that the block size used in tests does not divide (w=6, b=4), and
+a byte-level BPE tokenizer trained here on a few lines of mixed-script text, so multi-byte
+characters span several tokens (what incremental detokenization must get right). It also
+carries a chat template, for the chat endpoints.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+W, B = 6, 4
+VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "The ring buffer overwrites the oldest token in the window.",
+    "Café, naïve, résumé: accents are two bytes in UTF-8.",
+    "漢字とかなは三バイト。中文也是。",
+    "Emoji take four bytes: 🚀🌍🎉 and so on.",
+    "def f(x):\n    return x * 2  # code, too",
+]
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=None, pad_token_id=None,
+)
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=2, rope_scaling={"rope_type": "linear",
+                                                                       "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=3, sliding_window=W)),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True,
+                                  sliding_window=W, max_window_layers=1)),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=W, pad_token_id=0)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, sliding_window=W, head_dim=16, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+        tie_word_embeddings=True, final_logit_softcapping=30.0)),
+}
+
+
+def byte_bpe_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of `VOCAB` ids (256 bytes + merges + 3 specials)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False) -> pathlib.Path:
+    """Save a random ``family`` model and the tokenizer under ``root / family``.
+
+    Args:
+        eos: give the model an end-of-sequence id (the tokenizer's ``<eos>``); by default
+            none, so greedy runs never stop early.
+    """
+    class_name, extra = FAMILIES[family]
+    tokenizer = byte_bpe_tokenizer()
+    eos_id = tokenizer.eos_token_id if eos else None
+    cfg = getattr(transformers, class_name)(**{**COMMON, **extra, "eos_token_id": eos_id})
+    torch.manual_seed(sum(map(ord, family)))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # random biases and norm weights, so they matter in the check
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    model.generation_config.eos_token_id = eos_id
+    path = root / (family + ("-eos" if eos else ""))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def hf_reference(path: pathlib.Path) -> Any:
+    """transformers' own model for the folder, float32, eager attention."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
