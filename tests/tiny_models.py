@@ -53,7 +53,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def byte_bpe_tokenizer() -> transformers.PreTrainedTokenizerFast:
+def byte_bpe_tokenizer(chat_template: bool = True) -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of `VOCAB` ids (256 bytes + merges + 3 specials)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -64,19 +64,22 @@ def byte_bpe_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False) -> pathlib.Path:
+def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False,
+                    chat_template: bool = True) -> pathlib.Path:
     """Save a random ``family`` model and the tokenizer under ``root / family``.
 
     Args:
         eos: give the model an end-of-sequence id (the tokenizer's ``<eos>``); by default
             none, so greedy runs never stop early.
+        chat_template: give the tokenizer a chat template.
     """
     class_name, extra = FAMILIES[family]
-    tokenizer = byte_bpe_tokenizer()
+    tokenizer = byte_bpe_tokenizer(chat_template)
     eos_id = tokenizer.eos_token_id if eos else None
     cfg = getattr(transformers, class_name)(**{**COMMON, **extra, "eos_token_id": eos_id})
     torch.manual_seed(sum(map(ord, family)))

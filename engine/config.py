@@ -1,0 +1,60 @@
+"""Engine settings: one frozen object, checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+DEFAULT_CPU_KV_MEMORY = "2GiB"  # a sensible share of a 24 GiB machine
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Args:
+        model: a preset name, an HF folder or a .gguf file.
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
+        block_size: tokens per KV block.
+        kv_cache_memory: bytes for the KV pools ("2GiB"); None = the device default (CPU:
+            2 GiB; CUDA: a fraction of free memory after weights and a profiled step).
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: tokens fed to the model per step.
+        max_model_len: prompt + output tokens at most; None = the model's limit.
+        seed: the global seed for unseeded sampling.
+        debug_kv: check every read of the ring against a shadow of slot owners (slow;
+            tests turn it on so `kv_read_misses` is proven 0).
+        cache_dir: where converted models are kept.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    debug_kv: bool = False
+    cache_dir: str | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("block_size", 1 <= self.block_size <= 128, "must be in [1, 128]"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= self.max_num_seqs,
+             f"must be >= max_num_seqs ({self.max_num_seqs}) so every decode fits a step"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2,
+             "must be >= 2"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
+             "must be in (0, 1]"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}",
+                                          param=name)

@@ -1,0 +1,261 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+    batch = scheduler.schedule()
+    logits = runner.execute(batch)
+    update(batch, sampler(logits))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache import allocate_kv_caches, kv_cache_spec
+from engine.loader import load_hf_config, load_tokenizer, parse_dtype, resolve_model
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.startup import describe, kv_memory_bytes, pick_device
+from engine.stopping import append_token
+
+logger = logging.getLogger("ringserve.engine")
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """Owns the model, the KV pools, the scheduler; not thread-safe (see `AsyncLLM`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        resolved = resolve_model(config.model, cache_dir=config.cache_dir)
+        self.model_name = resolved.name
+        hf_config = load_hf_config(resolved.path)
+        # NOTE: "auto" is float32 on the CPU, where bf16 matmuls are slow and inexact.
+        auto_cpu = config.dtype == "auto" and self.device.type == "cpu"
+        self.dtype = parse_dtype("float32" if auto_cpu else config.dtype, hf_config)
+        self.tokenizer = load_tokenizer(resolved.path)
+        self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
+                                hf_config=hf_config)
+        mcfg = self.model.config
+        self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
+        self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
+        spec = kv_cache_spec(mcfg, config.block_size, self.dtype)
+        memory = kv_memory_bytes(config, self.device)
+        num_blocks = plan_num_blocks(spec, memory, self.max_model_len)
+        self.kv = KVCacheManager(spec, num_blocks, max_model_len=self.max_model_len,
+                                 debug=config.debug_kv)
+        caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, caches, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, device=self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.counters: Counter[str] = Counter()
+        self.capacity = self.kv.capacity()
+        if self.capacity.max_sequences < 1:
+            raise InvalidRequestError(
+                f"the KV cache ({memory} bytes) cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} tokens ({self.capacity.description}); raise "
+                "kv_cache_memory or lower max_model_len", param="kv_cache_memory")
+        logger.info("%s; %s", describe(spec, num_blocks, memory), self.capacity.description)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """Tokenize and check a request without touching engine state (any thread).
+
+        Raises:
+            InvalidRequestError: naming the parameter at fault.
+        """
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
+                                      param="prompt")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {n} tokens; max_model_len is {self.max_model_len}, which must "
+                "also leave room for at least one generated token", param="prompt")
+        max_tokens = params.max_tokens or self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}, the longest sequence the KV pool is "
+                f"sized for ({self.capacity.description})", param="max_tokens")
+        try:
+            self.kv.check_request(n, max_tokens)
+        except RequestTooLargeError as err:
+            raise InvalidRequestError(str(err), param="max_tokens") from None
+        seqs = [self._sequence(request_id, i, ids, params, max_tokens) for i in range(params.n)]
+        return Request(request_id, text, ids, params, seqs)
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `make_request` (engine thread)."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is in use",
+                                      param="request_id")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        try:
+            request = self.make_request(request_id, prompt, params)
+        except InvalidRequestError:
+            self.counters["requests_rejected"] += 1
+            raise
+        self.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request now; its blocks return to the pool at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                self._finish(seq)
+        self._retire(request)
+        return request
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests it changed."""
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
+            return []
+        touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
+        try:
+            logits = self.runner.execute(scheduled)
+            sampling = [i for i in scheduled if i.samples]
+            tokens, logprobs = self.sampler(logits, [i.seq for i in sampling])
+        except Exception as err:  # surface it to the requests of this step, keep serving
+            logger.exception("step failed; aborting its %d requests", len(touched))
+            for request in set(touched.values()):
+                request.error = err
+                self.abort_request(request.request_id)
+            return list({id(r): r for r in touched.values()}.values())
+        self._update(scheduled, sampling, tokens, logprobs)
+        return list({id(r): r for r in touched.values()}.values())
+
+    def _update(self, scheduled: list[ScheduledSeq], sampling: list[ScheduledSeq],
+                tokens: list[int], logprobs: list[Any]) -> None:
+        now = time.monotonic()
+        for item in scheduled:
+            if item.seq.is_prefilling:
+                self.counters["prompt_tokens"] += min(
+                    item.num_new, item.seq.num_prompt_tokens - item.seq.num_computed)
+            item.seq.num_computed += item.num_new
+        for item, token, lp in zip(sampling, tokens, logprobs, strict=True):
+            seq = item.seq
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
+            append_token(seq, token, self.eos_token_ids)
+            self.counters["generation_tokens"] += 1
+            if seq.status.is_finished:
+                self._finish(seq)
+                request = self.requests[seq.request_id]
+                if request.finished:
+                    self._retire(request)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.runner.release(seq.seq_id)
+        self.sampler.forget(seq.seq_id)
+
+    def _retire(self, request: Request) -> None:
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        reasons = [s.status.finish_reason for s in request.seqs]
+        reason = "abort" if "abort" in reasons else reasons[0]
+        self.counters[f"request_success:{reason}"] += 1
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
+                                      param="prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt must be a string or a list of token ids",
+                                  param="prompt")
+
+    def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                  max_tokens: int) -> Sequence:
+        detok = IncrementalDetokenizer(self.tokenizer, ids,
+                                       skip_special_tokens=params.skip_special_tokens)
+        return Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
+                        token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
+                        max_tokens=max_tokens, detokenizer=detok)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges behind `/metrics` (DESIGN.md §7)."""
+        kv = self.kv.stats()
+        total = kv.blocks_total
+        out: dict[str, Any] = {
+            "kv_blocks_total": total,
+            "kv_blocks_used": kv.blocks_used,
+            "kv_blocks_reserved": kv.blocks_reserved,
+            "kv_cache_usage_perc": kv.blocks_used / total if total else 0.0,
+            "ring_block_recycles": kv.ring_block_recycles,
+            "ring_slot_overwrites": kv.ring_slot_overwrites,
+            "kv_read_misses": kv.read_misses,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "max_concurrent_sequences": self.capacity.max_sequences,
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "generation_tokens": self.counters["generation_tokens"],
+            "requests_rejected": self.counters["requests_rejected"],
+        }
+        for reason in ("stop", "length", "abort"):
+            out[f"request_success_{reason}"] = self.counters[f"request_success:{reason}"]
+        return out
+
+
+def _generation_eos(path: Any) -> set[int]:
+    """End-of-sequence ids from generation_config.json, as transformers' generate uses."""
+    import json
+
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return set()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -1,0 +1,122 @@
+"""Scheduled sequences in, logits out: the one place block ids become tensors.
+
+Block tables live in persistent host tensors, one row per running sequence; a step copies
+only the entries a sequence gained since the last step (a ring row stops changing once the
+ring is full), then gathers the batch's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from block_manager import KVCacheManager
+from engine.forward_batch import ForwardBatch, GroupTables
+from engine.models import CausalLM, KVCaches
+from engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    """Runs the model on a scheduled step.
+
+    Args:
+        model: our model, on ``device``.
+        kv: the KV cache manager (block tables, slot mappings).
+        caches: per layer, its (key_cache, value_cache).
+        max_num_seqs: rows of the persistent block tables.
+        max_model_len: the longest sequence (width of full-attention tables).
+        device: where the model runs.
+    """
+
+    def __init__(self, model: CausalLM, kv: KVCacheManager, caches: KVCaches, *,
+                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.caches = caches
+        self.device = device
+        spec = kv.spec
+        self.windows = [g.window for g in spec.groups]
+        self.rings = list(kv.ring_blocks)
+        widths = [r if r is not None else -(-max_model_len // spec.block_size)
+                  for r in self.rings]
+        self.tables = [torch.zeros((max_num_seqs, w), dtype=torch.int32) for w in widths]
+        self._row: dict[int, int] = {}
+        self._synced: dict[int, list[int]] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence's table row."""
+        row = self._row.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+            del self._synced[seq_id]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Feed the step's tokens through the model, writing their K/V into the ring.
+
+        Returns:
+            fp32 logits [num sampling sequences, vocab], in the order of ``scheduled``
+            restricted to the entries whose `samples` is true.
+        """
+        input_ids, batch = self.prepare(scheduled)
+        hidden = self.model(input_ids, batch, self.caches)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
+        """Append the step's positions to the block manager and build the tensors."""
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        context: list[int] = []
+        logits_rows: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.rings]
+        rows: list[int] = []
+        for item in scheduled:
+            seq, n = item.seq, item.num_new
+            start = seq.num_computed
+            if self.kv.debug:
+                self.kv.check_reads(seq.seq_id, start)
+            for g, mapping in enumerate(self.kv.append(seq.seq_id, n)):
+                slots[g] += mapping
+            rows.append(self._sync_row(seq.seq_id))
+            ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            context.append(start)
+            starts.append(starts[-1] + n)
+            if item.samples:
+                logits_rows.append(starts[-1] - 1)
+        dev = self.device
+        row_index = torch.tensor(rows, dtype=torch.int64)
+        groups = tuple(
+            GroupTables(
+                block_tables=self.tables[g].index_select(0, row_index).to(dev),
+                slot_mapping=torch.tensor(slots[g], dtype=torch.int64).to(dev),
+                window=self.windows[g],
+                ring_blocks=self.rings[g],
+            )
+            for g in range(len(self.rings))
+        )
+        batch = ForwardBatch(
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor(context, dtype=torch.int32).to(dev),
+            groups=groups,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
+            max_position=max(context[i] + s.num_new for i, s in enumerate(scheduled)),
+        )
+        return torch.tensor(ids, dtype=torch.int64).to(dev), batch
+
+    def _sync_row(self, seq_id: int) -> int:
+        """Copy the block ids a sequence gained since last step into its table row."""
+        row = self._row.get(seq_id)
+        if row is None:
+            row = self._free_rows.pop()
+            self._row[seq_id] = row
+            self._synced[seq_id] = [0] * len(self.rings)
+        synced = self._synced[seq_id]
+        for g, blocks in enumerate(self.kv.block_tables(seq_id)):
+            if len(blocks) > synced[g]:
+                new = blocks[synced[g] :]
+                self.tables[g][row, synced[g] : len(blocks)] = torch.tensor(new, dtype=torch.int32)
+                synced[g] = len(blocks)
+        return row

@@ -1,0 +1,100 @@
+"""Continuous batching, FCFS, against the exact KV budget: admission is the only gate.
+
+A waiting sequence starts only when its whole reservation (prompt + max_tokens, capped at
+the ring per sliding group) fits beside every running one, so a running sequence always
+gets its next block and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from block_manager import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens fed this step: a prefill chunk, or 1 for a decode
+
+    @property
+    def samples(self) -> bool:
+        """True when this step completes the fed tokens, so a token is sampled."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides, each step, which sequences run and how many tokens each feeds.
+
+    Args:
+        kv: the KV cache manager (admission, block tables).
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: tokens fed per step (decodes and prefill chunks together).
+    """
+
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # stays 0 by construction; exported as a metric
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (its size was checked against the pools by the engine)."""
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Running sequences first (decodes and unfinished prefills), then admissions."""
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # NOTE: decodes before prefill chunks, so that with max_num_batched_tokens >=
+        # max_num_seqs (the engine checks it) every running decode gets its token each step.
+        decoding = [s for s in self.running if not s.is_prefilling]
+        prefilling = [s for s in self.running if s.is_prefilling]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_admit(seq.num_prompt_tokens, seq.max_tokens):
+                break  # FCFS: the head waits for room; later ones do not jump it
+            self.waiting.popleft()
+            self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens)
+            seq.status = SequenceStatus.RUNNING
+            seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            n = min(seq.num_tokens, budget)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(out)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks at once."""
+        if seq.seq_id in self.kv:
+            seq.blocks_held = sum(len(row) for row in self.kv.block_tables(seq.seq_id))
+            self.kv.release(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
