@@ -1,33 +1,120 @@
-"""The `ringserve` command line."""
+"""The `ringserve` command line: `serve` (flags as `vllm serve`) and `generate`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.resources
+import logging
+import signal
 import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+import yaml
+
+from server.state import ServeArgs
+
+FLAGS: list[tuple[str, type, str]] = [
+    ("model", str, "preset name, HF folder or .gguf file"),
+    ("served-model-name", str, "the model name clients send"),
+    ("host", str, "address to bind (default 127.0.0.1: this machine only)"),
+    ("port", int, "port to bind"),
+    ("dtype", str, "auto, float32, bfloat16 or float16"),
+    ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),
+    ("block-size", int, "tokens per KV block"),
+    ("kv-cache-memory", str, "bytes for the KV pools, e.g. 2GiB"),
+    ("max-num-seqs", int, "sequences running at once"),
+    ("max-num-batched-tokens", int, "tokens per engine step"),
+    ("max-model-len", int, "prompt + output tokens at most"),
+    ("max-waiting", int, "waiting sequences before 429"),
+    ("api-key", str, "require 'Authorization: Bearer KEY' on /v1 routes"),
+    ("log-level", str, "debug, info, warning or error"),
+]
+
+
+def defaults() -> dict[str, Any]:
+    text = importlib.resources.files("configs").joinpath("server.yaml").read_text()
+    loaded: dict[str, Any] = yaml.safe_load(text)
+    return loaded
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringserve",
-        description="A paged inference server for sliding-window-attention models.",
-    )
+        description="A paged inference server for sliding-window-attention models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    base = defaults()
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     gen = sub.add_parser("generate", help="one completion from the terminal")
     gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    for p in (serve, gen):
+        for flag, kind, help_text in FLAGS:
+            key = flag.replace("-", "_")
+            if p is gen and key in ("host", "port", "api_key", "max_waiting"):
+                continue
+            p.add_argument(f"--{flag}", type=kind, default=base.get(key),
+                           help=f"{help_text} (default: {base.get(key)})")
+    serve.add_argument("--debug-kv", action="store_true",
+                       help="check every ring read against a shadow (slow; for tests)")
     return parser
 
 
+def _serve_args(ns: argparse.Namespace) -> ServeArgs:
+    fields = {f.name for f in dataclasses.fields(ServeArgs)}
+    return ServeArgs(**{k: v for k, v in vars(ns).items() if k in fields and v is not None})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process dies of the
+    signal; a requested stop that went well should exit 0 (what orchestrators and
+    `docker stop` expect), so SIGTERM is not re-raised."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            # NOTE: uvicorn's private list of signals to re-raise after shutdown.
+            self._captured_signals = [s for s in self._captured_signals if s != sig]
+
+
+def serve(ns: argparse.Namespace) -> int:
+    from server.app import create_app
+
+    args = _serve_args(ns)
+    url = f"http://{args.host}:{args.port}"
+    print(f"ringserve: loading {args.model}; serving on {url} (GET {url}/health says when "
+          f"ready). Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'", flush=True)
+    config = uvicorn.Config(create_app(args), host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30)
+    GracefulServer(config).run()
+    return 0
+
+
+def generate(ns: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    args = _serve_args(ns)
+    kwargs = args.engine_kwargs()
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    out = llm.generate(ns.prompt, SamplingParams(max_tokens=ns.max_tokens,
+                                                 temperature=ns.temperature))
+    print(ns.prompt + out[0].outputs[0].text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # NOTE: the engine and HTTP server land in later issues; until then say so plainly
-    # instead of pretending to serve.
-    print(
-        f"ringserve {args.command}: not available yet; the block manager is built, the "
-        "kernels, models, engine and server are still to come (see README.md).",
-        file=sys.stderr,
-    )
-    return 2
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return serve(ns) if ns.command == "serve" else generate(ns)
+    except ValueError as err:
+        print(f"ringserve: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""The FastAPI app: lifespan owns the engine; thin routers; errors in OpenAI's shape.
+
+The model loads in a background thread after the socket opens, so `/health` answers 503
+("starting") during a first start's minute-long conversion instead of refusing connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine import EngineConfig, LLMEngine
+from engine.async_llm import AsyncLLM
+from server.errors import error_response, install_error_handlers
+from server.metrics import Metrics
+from server.protocol import ErrorResponse
+from server.routes import chat, completions, misc
+from server.state import Phase, ServeArgs, ServerState
+
+logger = logging.getLogger("ringserve.server")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _start_engine(state: ServerState) -> None:
+    """Load the model and start the engine loop (runs in a thread)."""
+    try:
+        engine = LLMEngine(EngineConfig(**state.args.engine_kwargs()))
+        state.model_name = state.args.served_model_name or engine.model_name
+        state.metrics = Metrics(state.model_name, engine.stats)
+        llm = AsyncLLM(engine, max_waiting=state.args.max_waiting,
+                       on_delta=state.metrics.on_delta)
+        llm.start()
+        state.llm = llm
+        state.phase = Phase.READY
+        logger.info("ready: serving %r", state.model_name)
+    except Exception as err:
+        logger.exception("the engine failed to start")
+        state.error = f"{type(err).__name__}: {err}"
+        state.phase = Phase.FAILED
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    loader = threading.Thread(target=_start_engine, args=(state,), name="ringserve-load",
+                              daemon=True)
+    loader.start()
+    try:
+        yield
+    finally:
+        state.phase = Phase.STOPPING
+        await asyncio.get_running_loop().run_in_executor(None, loader.join)
+        if state.llm is not None:
+            await asyncio.get_running_loop().run_in_executor(None, state.llm.shutdown)
+        logger.info("stopped")
+
+
+class BodyLimit:
+    """413 for bodies over ``limit`` bytes, by Content-Length or as they stream in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"request body is larger than {self.limit} bytes",
+                                  code="body_too_large")
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(args: ServeArgs) -> FastAPI:
+    """The app for ``args``; the engine starts when the app's lifespan starts."""
+    app = FastAPI(title="ringserve", version=misc.VERSION, lifespan=lifespan)
+    app.state.server = ServerState(args=args)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
+                    ) -> Response:
+        path = request.url.path
+        if args.api_key and path.startswith(PROTECTED):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), args.api_key.encode()):
+                return _count(app, error_response(
+                    401, "missing or wrong API key (Authorization: Bearer ...)",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        response = await call_next(request)
+        return _count(app, response)
+
+    app.add_middleware(BodyLimit, limit=args.max_body_bytes)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(misc.router)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        state: ServerState = app.state.server
+        if state.metrics is None:
+            return error_response(503, "metrics are available once the model is loaded",
+                                  code="server_not_ready")
+        return Response(generate_latest(state.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+ERRORS = {"400": "bad input", "401": "missing or wrong API key", "404": "unknown model",
+          "413": "body too large", "429": "waiting queue full", "500": "internal error",
+          "503": "starting or stopping"}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with our error statuses (OpenAI's body) instead of its 422."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(
+        ref_template="#/components/schemas/{model}")
+    for name, sub_schema in components["ErrorResponse"].pop("$defs", {}).items():
+        components[name] = sub_schema
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, text in ERRORS.items():
+                responses.setdefault(status, {"description": text, "content": ref})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    app.openapi_schema = schema
+    return schema
+
+
+def _count(app: FastAPI, response: Response) -> Response:
+    metrics = app.state.server.metrics
+    if metrics is not None and response.status_code >= 400:
+        metrics.rejected(response.status_code)
+    return response
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,112 @@
+"""Prometheus metrics (DESIGN.md §7), prefix ``ringserve:``, label ``model_name``.
+
+Gauges and counters are read from the engine's own counters at scrape time (a collector),
+so they can never drift from what the engine did; histograms are observed as requests end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.async_llm import StreamDelta
+
+P = "ringserve:"
+
+GAUGES = {
+    "kv_cache_usage_perc": "Fraction of KV blocks in use (0-1).",
+    "kv_blocks_total": "Physical KV blocks in all pools.",
+    "kv_blocks_used": "KV blocks held by running sequences.",
+    "kv_blocks_reserved": "KV blocks reserved by admitted sequences (>= used).",
+    "num_requests_running": "Sequences running.",
+    "num_requests_waiting": "Sequences waiting for admission.",
+    "max_concurrent_sequences": "Sequences the pools hold at once (capacity).",
+}
+COUNTERS = {
+    "ring_block_recycles": "KV blocks reused in place by a ring.",
+    "ring_slot_overwrites": "KV slots overwritten by a newer position of the same ring.",
+    "kv_read_misses": "Reads of a slot whose position was already overwritten (must stay 0).",
+    "num_preemptions": "Sequences preempted (stays 0: admission is exact).",
+    "prompt_tokens": "Prompt tokens computed.",
+    "generation_tokens": "Tokens generated.",
+    "requests_rejected": "Requests refused by the engine as invalid.",
+}
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.metrics.stats()
+        label = [self.metrics.model_name]
+        for name, doc in GAUGES.items():
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric(label, float(stats.get(name, 0)))
+            yield g
+        for name, doc in COUNTERS.items():
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric(label, float(stats.get(name, 0)))
+            yield c
+        c = CounterMetricFamily(P + "request_success", "Requests finished, by finish reason.",
+                                labels=["model_name", "finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            c.add_metric([*label, reason], float(stats.get(f"request_success_{reason}", 0)))
+        yield c
+
+
+class Metrics:
+    """The server's registry: engine series plus request histograms and HTTP rejections."""
+
+    def __init__(self, model_name: str, stats: Any) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.registry = CollectorRegistry()
+        self._last_token: dict[str, float] = {}
+        self.registry.register(_EngineCollector(self))
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between tokens of a stream.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to admission.")
+        self.blocks = hist("kv_blocks_per_sequence", "KV blocks a sequence held at its end.",
+                           (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.http_rejected = Counter(P + "http_requests_rejected",
+                                     "HTTP requests answered with an error, by status.",
+                                     [*labels, "status"], registry=self.registry)
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        """Observe latencies as deltas leave the engine (called in its loop thread)."""
+        t, m = delta.timings, self.model_name
+        arrival, first, last = t.get("arrival"), t.get("first_token"), t.get("last_token")
+        rid = delta.request_id
+        new_tokens = any(s.token_ids for s in delta.seqs)
+        if new_tokens and last is not None:
+            prev = self._last_token.get(rid)
+            if prev is None and arrival is not None and first is not None:
+                self.ttft.labels(m).observe(max(0.0, first - arrival))
+            elif prev is not None and last > prev:
+                self.itl.labels(m).observe(last - prev)
+            self._last_token[rid] = last
+        if delta.finished:
+            self._last_token.pop(rid, None)
+            sched = t.get("scheduled")
+            if arrival is not None and sched is not None:
+                self.queue.labels(m).observe(max(0.0, sched - arrival))
+            if arrival is not None and last is not None:
+                self.e2e.labels(m).observe(max(0.0, last - arrival))
+            for blocks in delta.blocks_held:
+                self.blocks.labels(m).observe(blocks)
+
+    def rejected(self, status: int) -> None:
+        self.http_rejected.labels(self.model_name, str(status)).inc()

@@ -1,0 +1,154 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, plain and streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from engine.sequence import TokenLogprob
+from server.errors import APIError, error_body, to_api_error
+from server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from server.serving import (
+    cancel_on_disconnect,
+    check_model,
+    merged,
+    now,
+    prepare_all,
+    request_id,
+    sampling_params,
+)
+
+router = APIRouter()
+SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}}
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage],
+                    add_generation_prompt: bool) -> list[int]:
+    """Render the chat template and tokenize it (special tokens come from the template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions",
+                       param="messages", code="no_chat_template")
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
+            add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # a template may refuse an order of roles, say
+        raise APIError(400, f"the chat template rejected these messages: {err}",
+                       param="messages", code="chat_template_error") from None
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def _token_logprob(tokenizer: Any, token_id: int, logprob: float) -> TopLogprob:
+    text = tokenizer.decode([token_id])
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _logprobs(tokenizer: Any, lps: Sequence[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        head = _token_logprob(tokenizer, lp.token_id, lp.logprob)
+        content.append(ChatTokenLogprob(
+            **head.model_dump(),
+            top_logprobs=[_token_logprob(tokenizer, t, v) for t, v in lp.top]))
+    return ChatLogprobs(content=content)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE)
+async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+    state = http.app.state.server
+    llm = state.ready_llm()
+    model = check_model(state, req.model)
+    req.check_supported()
+    tokenizer = llm.engine.tokenizer
+    ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
+                             logprobs=logprobs)
+    rid = request_id("chatcmpl")
+    requests = prepare_all(llm, [{"prompt_token_ids": ids}], params, rid)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(llm, requests, rid, model, include_usage),
+                                 media_type="text/event-stream")
+    return await cancel_on_disconnect(http, _complete(llm, requests, rid, model))
+
+
+async def _complete(llm: Any, requests: list[Any], rid: str,
+                    model: str) -> ChatCompletionResponse:
+    texts: dict[int, str] = {}
+    lps: dict[int, list[TokenLogprob]] = {}
+    finish: dict[int, str | None] = {}
+    prompt_tokens = completion_tokens = 0
+    async for _, delta in merged(llm, requests):
+        for s in delta.seqs:
+            texts[s.index] = texts.get(s.index, "") + s.text
+            lps.setdefault(s.index, []).extend(s.logprobs)
+            finish[s.index] = s.finish_reason or finish.get(s.index)
+        prompt_tokens, completion_tokens = delta.prompt_tokens, delta.completion_tokens
+    want = requests[0].params.logprobs is not None
+    tok = llm.engine.tokenizer
+    choices = [ChatChoice(index=k, message=ChatResponseMessage(content=texts[k]),
+                          finish_reason=finish[k],  # type: ignore[arg-type]
+                          logprobs=_logprobs(tok, lps[k]) if want else None)
+               for k in sorted(texts)]
+    return ChatCompletionResponse(
+        id=rid, model=model, choices=choices,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens))
+
+
+def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+           usage: dict[str, int] | None = None) -> str:
+    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = now()
+    want = requests[0].params.logprobs is not None
+    tok = llm.engine.tokenizer
+    started: set[int] = set()
+    usage = (0, 0)
+    try:
+        async for _, delta in merged(llm, requests):
+            usage = (delta.prompt_tokens, delta.completion_tokens)
+            for s in delta.seqs:
+                if s.index not in started:
+                    started.add(s.index)
+                    yield _chunk(rid, created, model, [{
+                        "index": s.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}])
+                if not s.text and s.finish_reason is None and not s.logprobs:
+                    continue
+                choice = {"index": s.index, "delta": {"content": s.text} if s.text else {},
+                          "finish_reason": s.finish_reason,
+                          "logprobs": _logprobs(tok, s.logprobs).model_dump() if want else None}
+                yield _chunk(rid, created, model, [choice])
+        if include_usage:
+            p, c = usage
+            yield _chunk(rid, created, model, [],
+                         {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+    except Exception as err:
+        api = to_api_error(err)
+        yield f"data: {json.dumps(error_body(api.status, api.message, api.param, api.code))}\n\n"
+    yield "data: [DONE]\n\n"

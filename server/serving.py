@@ -1,0 +1,105 @@
+"""Shared request handling: model names, sampling params, running and merging streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+
+from engine import SamplingParams
+from engine.async_llm import AsyncLLM, StreamDelta
+from engine.outputs import Request
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:20]}"
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The served name, or a 404 naming the unknown model."""
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{state.model_name!r}", param="model", code="model_not_found")
+    return state.model_name
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """The one conversion point from an API body to engine SamplingParams."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+
+def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
+                base_id: str) -> list[Request]:
+    """Check every prompt before any is queued, so a bad one leaves nothing running."""
+    return [llm.prepare(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+
+
+async def merged(llm: AsyncLLM,
+                 requests: Sequence[Request]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Run prepared requests and yield (request index, delta) as they come.
+
+    Leaving early (a disconnect) closes every stream, which aborts its engine request.
+    """
+    queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, request: Request) -> None:
+        try:
+            async for delta in llm.stream(request):
+                await queue.put((i, delta))
+        except BaseException as err:
+            await queue.put((i, err))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(http: HTTPRequest) -> None:
+    """Return once the client has gone away (polls; for non-streaming requests)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
+async def cancel_on_disconnect(http: HTTPRequest, work: Any) -> Any:
+    """Await ``work``; if the client leaves first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(http))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected")
+    finally:
+        watcher.cancel()
+
+
+def now() -> int:
+    return int(time.time())

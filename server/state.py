@@ -1,0 +1,69 @@
+"""What the app keeps between requests: the settings, the engine front, its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.async_llm import AsyncLLM
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeArgs:
+    """`ringserve serve` flags (see server/cli.py for their help)."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    kv_cache_memory: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int | None = 256
+    api_key: str | None = None
+    log_level: str = "info"
+    max_body_bytes: int = 4 * 2**20
+    debug_kv: bool = False
+    cache_dir: str | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return dict(model=self.model, dtype=self.dtype, device=self.device,
+                    block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                    max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_model_len=self.max_model_len, debug_kv=self.debug_kv,
+                    cache_dir=self.cache_dir)
+
+
+@dataclass
+class ServerState:
+    args: ServeArgs
+    phase: Phase = Phase.STARTING
+    llm: AsyncLLM | None = None
+    model_name: str = ""
+    error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: Any = None
+
+    def ready_llm(self) -> AsyncLLM:
+        """The engine front, or a 503 while starting, stopping or after a failed start."""
+        from server.errors import APIError
+
+        if self.phase is not Phase.READY or self.llm is None:
+            detail = f": {self.error}" if self.error else ""
+            raise APIError(503, f"the server is {self.phase.value}{detail}",
+                           code="server_not_ready")
+        return self.llm
