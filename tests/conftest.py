@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 
+# NOTE: before torch loads OpenMP (see engine/__init__.py): passive waits keep tests and
+# the servers they start from spinning against each other on a shared machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 try:
