@@ -6,11 +6,12 @@ The caches start full of NaN, so any read of a slot the step did not write shows
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from block_manager import KVCacheManager
-from engine.forward_batch import SeqStep, build_forward_batch
+from engine.forward_batch import ForwardBatch, GroupTables
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
 from engine.model_loader import load_model
 from engine.models import CausalLM
@@ -86,3 +87,70 @@ class RingHarness:
 def load_ours(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
     """Our model for an HF folder, through the engine's own loader."""
     return load_model(path, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence of a step, host side: a plain packing path independent of the runner."""
+
+    context_len: int
+    num_new: int
+    block_tables: Sequence[Sequence[int]]  # per group
+    slot_mappings: Sequence[Sequence[int]]  # per group, num_new entries each
+    wants_logits: bool = True
+
+
+def build_forward_batch(
+    steps: Sequence[SeqStep],
+    windows: Sequence[int | None],
+    ring_blocks: Sequence[int | None],
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """Pack the host-side description of a step into the tensors a forward pass reads.
+
+    Args:
+        steps: one entry per scheduled sequence, in batch order.
+        windows: per layer group, its sliding window (None = full attention).
+        ring_blocks: per layer group, its ring length R (None = full attention).
+        device: where the tensors go.
+
+    Returns:
+        The `ForwardBatch`; logits rows are the last new token of each sequence that wants
+        logits (a prefill chunk that does not end the prompt samples nothing).
+    """
+    num_new = [s.num_new for s in steps]
+    starts = [0]
+    for n in num_new:
+        starts.append(starts[-1] + n)
+    positions = torch.cat(
+        [torch.arange(s.context_len, s.context_len + s.num_new) for s in steps]
+    ) if steps else torch.zeros(0, dtype=torch.int64)
+    groups = []
+    for g, (window, ring) in enumerate(zip(windows, ring_blocks, strict=True)):
+        # NOTE: ring rows are padded to R columns (a short sequence holds fewer blocks);
+        # padding is never read, since every cached position maps into a held entry.
+        width = max([len(s.block_tables[g]) for s in steps] + [ring or 1])
+        table = torch.zeros((len(steps), width), dtype=torch.int32)
+        for i, s in enumerate(steps):
+            row = s.block_tables[g]
+            if row:
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        slots = [slot for s in steps for slot in s.slot_mappings[g]]
+        groups.append(
+            GroupTables(
+                block_tables=table.to(device),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                window=window,
+                ring_blocks=ring,
+            )
+        )
+    logits_rows = [starts[i + 1] - 1 for i, s in enumerate(steps) if s.wants_logits and s.num_new]
+    return ForwardBatch(
+        positions=positions.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor([s.context_len for s in steps], dtype=torch.int32,
+                                  device=device),
+        groups=tuple(groups),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        max_position=max((s.context_len + s.num_new for s in steps), default=0),
+    )
