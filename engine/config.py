@@ -25,8 +25,9 @@ class EngineConfig:
         max_num_batched_tokens: tokens fed to the model per step.
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
-        debug_kv: check every read of the ring against a shadow of slot owners (slow;
-            tests turn it on so `kv_read_misses` is proven 0).
+        debug_kv: check every cached position a step reads against a shadow of slot
+            owners (O(window) per sequence and step; tests turn it on). Without it, the
+            oldest and newest position each step reads are checked, at O(1).
         cache_dir: where converted models are kept.
     """
 

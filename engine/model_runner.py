@@ -74,8 +74,7 @@ class ModelRunner:
         for item in scheduled:
             seq, n = item.seq, item.num_new
             start = seq.num_computed
-            if self.kv.debug:
-                self.kv.check_reads(seq.seq_id, start)
+            self.kv.check_reads(seq.seq_id, start)
             for g, mapping in enumerate(self.kv.append(seq.seq_id, n)):
                 slots[g] += mapping
             rows.append(self._sync_row(seq.seq_id))

@@ -114,6 +114,20 @@ def test_read_check_counts_a_slot_that_lost_its_position() -> None:
     assert kv.stats().read_misses > 0
 
 
+def test_the_always_on_edge_check_sees_a_broken_ring() -> None:
+    kv = KVCacheManager(gemma_like_spec(block_size=2, window=3), [6, 16], max_model_len=32)
+    assert not kv.debug
+    kv.admit("a", 2, 10)
+    kv.admit("b", 2, 10)
+    for _ in range(9):
+        kv.append("a", 1)
+        kv.append("b", 1)
+        assert kv.check_reads("a", kv.num_tokens("a")) == 0
+    kv.block_tables("a")[0][:] = kv.block_tables("b")[0]
+    assert kv.check_reads("a", kv.num_tokens("a")) == 2  # the oldest and the newest
+    assert kv.stats().read_misses == 2
+
+
 def test_bytes_per_block_and_pool_plan() -> None:
     spec = gemma_like_spec(block_size=16, window=512)
     # 2 (K and V) * 16 tokens * 1 head * 8 dims * 4 bytes * 5 layers
