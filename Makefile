@@ -28,10 +28,29 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+# The tools the deployment tests drive (tests/test_metrics_prometheus.py, test_deploy_files.py,
+# test_nginx_replicas.py) come from Debian: prometheus (+ promtool), nginx, docker-compose (v1:
+# validates compose files offline). Installed only when a binary is missing; needs root (CI
+# runs as root) or sudo.
+DEB_PACKAGES := prometheus nginx docker-compose
+DEB_BINARIES := prometheus promtool nginx docker-compose
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(VENV)/.stamp-debian: $(VENV)/.stamp-base
+	@missing=; for b in $(DEB_BINARIES); do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing $(DEB_PACKAGES) (missing:$$missing)"; \
+	  $(SUDO) apt-get update -q \
+	  && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	     --no-install-recommends $(DEB_PACKAGES); \
+	fi
+	touch $@
+
 serve: $(VENV)/.stamp-base $(VENV)/.stamp-models
 	$(VENV)/bin/ringserve serve $(ARGS)
 
-test: $(VENV)/.stamp-test $(VENV)/.stamp-models
+test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-test

@@ -37,7 +37,7 @@ def _start_engine(state: ServerState) -> None:
     try:
         engine = LLMEngine(EngineConfig(**state.args.engine_kwargs()))
         state.model_name = state.args.served_model_name or engine.model_name
-        state.metrics = Metrics(state.model_name, engine.stats)
+        state.metrics = Metrics(state.model_name, engine.stats, kv=engine.kv)
         llm = AsyncLLM(engine, max_waiting=state.args.max_waiting,
                        on_delta=state.metrics.on_delta)
         llm.start()

@@ -2,11 +2,17 @@
 
 Gauges and counters are read from the engine's own counters at scrape time (a collector),
 so they can never drift from what the engine did; histograms are observed as requests end.
+Per layer group (label ``group``, e.g. ``sliding_512`` and ``full`` for Gemma 3) the block
+gauges split the totals and ``kv_group_ring_blocks`` states each ring's length ``R``: a
+sliding sequence never holds more than ``R`` blocks of its group.
+
+Every labelled series is created at start-up (histograms empty, rejections at 0), so a
+dashboard shows a flat 0 rather than "no data" before the first event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -35,8 +41,22 @@ COUNTERS = {
     "generation_tokens": "Tokens generated.",
     "requests_rejected": "Requests refused by the engine as invalid.",
 }
+GROUP_GAUGES = {  # per layer group: (KVStats field, help)
+    "kv_group_blocks_total": ("blocks_total_per_group", "Physical KV blocks of a layer group."),
+    "kv_group_blocks_used": ("blocks_used_per_group", "KV blocks of a layer group in use."),
+    "kv_group_blocks_reserved": ("blocks_reserved_per_group",
+                                 "KV blocks of a layer group reserved by admitted sequences."),
+}
+FINISH_REASONS = ("stop", "length", "abort")
+# The statuses the server answers with (server/app.py ERRORS), counted from 0.
+ERROR_STATUSES = ("400", "401", "404", "413", "429", "500", "503")
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
+BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, doc, labels=["model_name", *labels])
 
 
 class _EngineCollector(Collector):
@@ -47,7 +67,7 @@ class _EngineCollector(Collector):
         stats = self.metrics.stats()
         label = [self.metrics.model_name]
         for name, doc in GAUGES.items():
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g = _gauge(name, doc, [])
             g.add_metric(label, float(stats.get(name, 0)))
             yield g
         for name, doc in COUNTERS.items():
@@ -56,34 +76,70 @@ class _EngineCollector(Collector):
             yield c
         c = CounterMetricFamily(P + "request_success", "Requests finished, by finish reason.",
                                 labels=["model_name", "finished_reason"])
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             c.add_metric([*label, reason], float(stats.get(f"request_success_{reason}", 0)))
         yield c
+        yield from self._groups(label)
+
+    def _groups(self, label: list[str]) -> Iterator[GaugeMetricFamily]:
+        kv = self.metrics.kv
+        if kv is None:
+            return
+        spec, kv_stats = kv.spec, kv.stats()
+        names = [g.name for g in spec.groups]
+        for name, (field, doc) in GROUP_GAUGES.items():
+            g = _gauge(name, doc, ["group"])
+            for group, value in zip(names, getattr(kv_stats, field), strict=True):
+                g.add_metric([*label, group], float(value))
+            yield g
+        ring = _gauge("kv_group_ring_blocks", "Ring length R = ceil(window / block_size): the "
+                      "most blocks a sequence holds in a sliding group.", ["group"])
+        for i, group in enumerate(names):
+            r = spec.ring_blocks(i)
+            if r is not None:
+                ring.add_metric([*label, group], float(r))
+        yield ring
+        size = _gauge("kv_block_size", "Tokens per KV block.", [])
+        size.add_metric(label, float(spec.block_size))
+        yield size
 
 
 class Metrics:
-    """The server's registry: engine series plus request histograms and HTTP rejections."""
+    """The server's registry: engine series plus request histograms and HTTP rejections.
 
-    def __init__(self, model_name: str, stats: Any) -> None:
+    Args:
+        model_name: the served model name (label ``model_name`` of every series).
+        stats: returns the engine's counters and gauges (`LLMEngine.stats`).
+        kv: the engine's `KVCacheManager`, for the per-layer-group series (optional).
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]],
+                 kv: Any = None) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.kv = kv
         self.registry = CollectorRegistry()
         self._last_token: dict[str, float] = {}
         self.registry.register(_EngineCollector(self))
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+            h = Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+            h.labels(model_name)  # exported (empty) from the start
+            return h
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between tokens of a stream.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = hist("request_queue_time_seconds", "Arrival to admission.")
-        self.blocks = hist("kv_blocks_per_sequence", "KV blocks a sequence held at its end.",
-                           (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+        self.blocks = hist("kv_blocks_per_sequence",
+                           "KV blocks a sequence held at its end (all layer groups).",
+                           BLOCK_BUCKETS)
         self.http_rejected = Counter(P + "http_requests_rejected",
                                      "HTTP requests answered with an error, by status.",
                                      [*labels, "status"], registry=self.registry)
+        for status in ERROR_STATUSES:
+            self.http_rejected.labels(model_name, status)
 
     def on_delta(self, delta: StreamDelta) -> None:
         """Observe latencies as deltas leave the engine (called in its loop thread)."""

@@ -1,0 +1,129 @@
+"""/metrics through a real Prometheus: a live server with rings that wrap (window 6, block 4)
+is scraped every second while requests run; every PromQL expression of the Grafana dashboard
+then returns data, the ring counters are > 0 and read misses (checked with --debug-kv) are 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.deploy_utils import (
+    dashboard_targets,
+    grafana_to_promql,
+    has_data,
+    query,
+    run_prometheus,
+    values,
+)
+from tests.server_utils import Server, run_server
+from tests.tiny_models import make_checkpoint
+
+FLAGS = ("--block-size", "4", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+         "--max-num-batched-tokens", "64", "--debug-kv", "--served-model-name", "tiny")
+C = "/v1/completions"
+# Every series of DESIGN.md §7, and the per-layer-group ones, as /metrics spells them.
+DESIGN_SERIES = [
+    "kv_cache_usage_perc", "kv_blocks_total", "kv_blocks_used", "kv_blocks_reserved",
+    "num_requests_running", "num_requests_waiting", "max_concurrent_sequences",
+    "ring_block_recycles_total", "ring_slot_overwrites_total", "kv_read_misses_total",
+    "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "request_success_total", "requests_rejected_total",
+    "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+    "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+    "kv_blocks_per_sequence_bucket",
+    "kv_group_blocks_total", "kv_group_blocks_used", "kv_group_blocks_reserved",
+    "kv_group_ring_blocks", "kv_block_size", "http_requests_rejected_total",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    ckpt = make_checkpoint("gemma3_text", tmp_path_factory.mktemp("ckpt"))
+    with run_server(ckpt, *FLAGS, log_dir=tmp_path_factory.mktemp("log")) as s:
+        yield s
+
+
+def test_metrics_has_every_design_series(server: Server) -> None:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in DESIGN_SERIES:
+        assert f'\nringserve:{name}{{' in text, name
+    for line in text.splitlines():
+        if line.startswith("ringserve:"):
+            assert 'model_name="tiny"' in line, line
+    assert 'kv_group_blocks_total{group="sliding_6",model_name="tiny"}' in text
+    assert 'kv_group_blocks_total{group="full",model_name="tiny"}' in text
+    assert 'kv_group_ring_blocks{group="sliding_6",model_name="tiny"} 2.0' in text  # 6/4
+    stats = server.stats()
+    assert stats["kv_blocks_total"] == stats["kv_group_blocks_total"]  # groups sum up
+
+
+def traffic(url: str, stop: threading.Event, worker: int) -> None:
+    """Requests long enough to wrap the rings, a stream now and then, and some errors."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            body = {"prompt": f"The ring buffer {worker} {i}", "max_tokens": 24 + 8 * (i % 4)}
+            if i % 3 == 2:
+                with client.stream("POST", C, json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    assert list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
+            else:
+                assert client.post(C, json=body).status_code == 200
+            if i % 4 == 3:
+                assert client.post(C, json={**body, "max_tokens": 0}).status_code == 400
+                assert client.post(C, json={**body, "model": "nope"}).status_code == 404
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_every_dashboard_series(server: Server,
+                                                   tmp_path: pathlib.Path) -> None:
+    targets = dashboard_targets()
+    assert len(targets) >= 20
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            traffic(server.url, stop, n)
+        except BaseException as err:  # reported by the test thread
+            errors.append(err)
+            stop.set()
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(2)]
+    host = server.url.removeprefix("http://")
+    with run_prometheus([host], tmp_path) as prom:
+        for t in threads:
+            t.start()
+        try:
+            missing = list(targets)
+            deadline = time.monotonic() + 60
+            while missing and time.monotonic() < deadline and not errors:
+                time.sleep(1)
+                missing = [t for t in missing if not has_data(query(prom, grafana_to_promql(
+                    t.expr)))]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        assert not missing, "\n".join(f"{t.panel}: {t.expr}" for t in missing)
+        assert values(query(prom, 'up{job="ringserve"}')) == [1.0]
+
+        def total(metric: str) -> float:
+            return sum(values(query(prom, f'sum(ringserve:{metric}{{model_name="tiny"}})')))
+
+        assert total("ring_block_recycles_total") > 0
+        assert total("ring_slot_overwrites_total") > total("ring_block_recycles_total")
+        assert total("kv_blocks_per_sequence_count") > 0
+        assert total("http_requests_rejected_total") > 0
+        assert total("kv_read_misses_total") == 0
+        assert total("num_preemptions_total") == 0
+    assert server.stats()["kv_read_misses_total"] == 0
