@@ -17,6 +17,10 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
+SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}}
+"""The OpenAPI response of the two generation routes: JSON, or SSE when streaming."""
+
 
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"

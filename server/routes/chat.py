@@ -24,6 +24,7 @@ from server.protocol import (
     Usage,
 )
 from server.serving import (
+    SSE,
     cancel_on_disconnect,
     check_model,
     merged,
@@ -34,8 +35,6 @@ from server.serving import (
 )
 
 router = APIRouter()
-SSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}}
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage],

@@ -20,6 +20,7 @@ from server.protocol import (
     Usage,
 )
 from server.serving import (
+    SSE,
     cancel_on_disconnect,
     check_model,
     merged,
@@ -30,8 +31,6 @@ from server.serving import (
 )
 
 router = APIRouter()
-SSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}}
 
 
 def _prompts(req: CompletionRequest) -> list[Any]:
