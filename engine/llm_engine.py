@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
-from engine.loader import load_hf_config, load_tokenizer, parse_dtype, resolve_model
+from engine.loader import load_hf_config, load_tokenizer, resolve_model
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
@@ -26,7 +26,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.startup import describe, kv_memory_bytes, pick_device
+from engine.startup import describe, kv_memory_bytes, pick_device, pick_dtype
 from engine.stopping import append_token
 
 logger = logging.getLogger("ringserve.engine")
@@ -43,9 +43,8 @@ class LLMEngine:
         resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_name = resolved.name
         hf_config = load_hf_config(resolved.path)
-        # NOTE: "auto" is float32 on the CPU, where bf16 matmuls are slow and inexact.
-        auto_cpu = config.dtype == "auto" and self.device.type == "cpu"
-        self.dtype = parse_dtype("float32" if auto_cpu else config.dtype, hf_config)
+        self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         self.tokenizer = load_tokenizer(resolved.path)
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config)

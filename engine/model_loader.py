@@ -10,6 +10,7 @@ import torch
 from engine.kv_cache import model_layer_groups
 from engine.loader import check_model_type, iter_weights, load_hf_config
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
+from engine.models.packed_linear import can_pack, fuse_projections, pack_linears
 
 
 def load_model(
@@ -18,6 +19,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     hf_config: Any | None = None,
+    pack: bool = True,
 ) -> CausalLM:
     """Our `CausalLM` for the checkpoint in ``path``, weights loaded, in eval mode.
 
@@ -26,6 +28,8 @@ def load_model(
         dtype: parameter dtype (float32, bfloat16 or float16).
         device: where the parameters live.
         hf_config: the folder's transformers config, if already loaded.
+        pack: reorder linear weights once for oneDNN where that is the faster path
+            (`engine.models.packed_linear.can_pack`).
 
     Raises:
         UnsupportedModelError: the model_type is not implemented (named in the message).
@@ -41,4 +45,7 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(iter_weights(path))
+    if pack and can_pack(dtype, torch.device(device)):
+        fuse_projections(model)
+        pack_linears(model)
     return model.eval()

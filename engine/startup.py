@@ -9,6 +9,7 @@ import torch
 from block_manager import KVCacheSpec, parse_size
 from engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from engine.errors import InvalidRequestError
+from engine.loader import parse_dtype
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -22,6 +23,36 @@ def pick_device(name: str | None) -> torch.device:
         raise InvalidRequestError("device 'cuda' asked for, but no CUDA device is visible",
                                   param="device")
     return device
+
+
+def cpu_bf16_units() -> list[str]:
+    """The bf16 matmul units of this CPU that oneDNN uses: "AMX-BF16", "AVX512-BF16"."""
+    probes = (("AMX-BF16", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
+    # NOTE: torch.cpu's probes are private; a torch without them reports no unit (float32).
+    return [unit for unit, probe in probes if getattr(torch.cpu, probe, lambda: False)()]
+
+
+def pick_dtype(name: str, device: torch.device, hf_config: object) -> tuple[torch.dtype, str]:
+    """The model's dtype and, for the start-up log, why.
+
+    "auto" on the CPU is bfloat16 where the CPU multiplies bf16 in hardware (AMX or
+    AVX512-BF16, as vLLM's CPU build chooses) and float32 elsewhere, where bf16 matmuls are
+    emulated and slower than float32. On CUDA "auto" is the checkpoint's own dtype.
+
+    Raises:
+        InvalidRequestError: an unknown dtype name, naming the parameter.
+    """
+    try:
+        if name != "auto":
+            return parse_dtype(name, hf_config), "asked for"  # type: ignore[arg-type]
+        if device.type != "cpu":
+            return parse_dtype("auto", hf_config), "auto: the checkpoint's dtype"  # type: ignore[arg-type]
+    except ValueError as err:
+        raise InvalidRequestError(str(err), param="dtype") from None
+    units = cpu_bf16_units()
+    if units:
+        return torch.bfloat16, f"auto: this CPU multiplies bf16 in hardware ({', '.join(units)})"
+    return torch.float32, "auto: this CPU has neither AMX-BF16 nor AVX512-BF16"
 
 
 def kv_memory_bytes(config: EngineConfig, device: torch.device,

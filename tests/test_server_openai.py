@@ -16,7 +16,8 @@ import torch
 from tests.server_utils import Server, run_server
 from tests.tiny_models import hf_reference, make_checkpoint
 
-SERVER_FLAGS = ("--block-size", "4", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
+SERVER_FLAGS = ("--dtype", "float32", "--block-size", "4", "--kv-cache-memory", "4MiB",
+                "--max-model-len", "256",
                 "--max-num-batched-tokens", "64", "--debug-kv")
 
 

@@ -1,0 +1,108 @@
+"""Linear layers with their weights reordered once for oneDNN, for the CPU.
+
+`F.linear` on a plain bf16 weight lets oneDNN reorder the weight into its blocked layout
+on every call, and its small-batch paths are slow: on the 2-core machines here Gemma's
+262144 x 640 head took 37 ms at batch 1 and 47 ms at batch 8 eagerly, against 20-25 ms
+with the weight reordered once (`benchmarks/linear_bench.py` measures every shape and
+batch). Reordering once at load is what inductor's freezing does for compiled models;
+doing it here keeps the eager model as fast without a compile.
+
+The packed weight replaces the plain one (no second copy), except where a weight is tied
+to the embedding, whose rows the lookup still reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.layers import MLP, Attention
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linears of this dtype on this device take the packed path.
+
+    bfloat16 on a CPU with oneDNN. float32 keeps `F.linear` (MKL), the very kernel
+    transformers runs, so the float32 path stays token-exact with it.
+    """
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # fmt: skip
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` (same `in_features`, `out_features`, bias) over a oneDNN-packed weight.
+
+    Args:
+        linear: the layer to pack; this module keeps only the packed copy of its weight.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        # NOTE: batch size None: one layout for every batch size (decode and prefill).
+        self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, None),
+                                   requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _concat(layers: list[nn.Linear]) -> nn.Linear:
+    """One linear computing ``layers`` side by side (outputs concatenated in order)."""
+    first = layers[0]
+    has_bias = first.bias is not None
+    fused = nn.Linear(first.in_features, sum(lin.out_features for lin in layers), bias=has_bias,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in layers]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([lin.bias for lin in layers]))  # type: ignore[misc]
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Turn separate q/k/v and gate/up projections into one GEMM each, in place.
+
+    The result is the layout phi3 checkpoints already have (`qkv_proj`, `gate_up_proj`,
+    `fused = True`), which `Attention` and `MLP` run unchanged: three GEMMs and then two
+    become one, and a decode step makes 4 calls a layer instead of 7.
+
+    Returns:
+        The number of modules fused.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and not module.fused:
+            module.qkv_proj = _concat([module.q_proj, module.k_proj, module.v_proj])
+            del module.q_proj, module.k_proj, module.v_proj
+        elif isinstance(module, MLP) and not module.fused:
+            module.gate_up_proj = _concat([module.gate_proj, module.up_proj])
+            del module.gate_proj, module.up_proj
+        else:
+            continue
+        module.fused = True
+        count += 1
+    return count
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` in ``model`` by a `PackedLinear`, in place.
+
+    Returns:
+        The number of layers packed.
+    """
+    targets = [(parent, name, child)
+               for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) is nn.Linear]  # fmt: skip
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)

@@ -1,0 +1,124 @@
+"""The CPU bf16 path: oneDNN-packed linears and fused projections.
+
+References: a float64 matmul of the same bf16 weights (the packed GEMM), our own unfused
+float32 model (fusing must not change a number), and transformers' model in bfloat16 for
+the whole packed bf16 model of every family.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model_loader import load_model
+from engine.models.packed_linear import PackedLinear, can_pack, fuse_projections, pack_linears
+from tests.model_harness import RingHarness, load_ours
+from tests.tiny_models import FAMILIES, B, W, make_checkpoint, random_tokens
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="oneDNN is not available in this torch build")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {family: make_checkpoint(family, root) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (5,), (2, 3)], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*shape, 96).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    got = packed(x)
+    expected = nn.functional.linear(
+        x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    assert got.shape == (*shape, 40) and got.dtype == torch.bfloat16
+    # bf16 output: one rounding of a float32 accumulation (8 mantissa bits)
+    torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-3)
+    assert not any(p.dtype == torch.bfloat16 and not p.is_mkldnn and p.dim() == 2
+                   for p in packed.parameters()), "the plain weight must not be kept"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fusing_projections_changes_no_logit(checkpoints: dict[str, pathlib.Path],
+                                             family: str) -> None:
+    path = checkpoints[family]
+    ids = random_tokens(3 * W, seed=5)
+    plain = RingHarness(load_ours(str(path)), B, 3 * W).logits_in_chunks(ids, [W, 1])
+    model = load_ours(str(path))
+    fused = fuse_projections(model)
+    assert fused == 2 * model.config.num_layers or FAMILIES[family][0] == "Phi3Config"
+    got = RingHarness(model, B, 3 * W).logits_in_chunks(ids, [W, 1])
+    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_bf16_model_matches_transformers_bf16(checkpoints: dict[str, pathlib.Path],
+                                                      family: str) -> None:
+    import transformers
+
+    path = checkpoints[family]
+    ids = random_tokens(4 * W, seed=9)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ref64 = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].double()
+        exact = ref64(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.bfloat16)
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    got = RingHarness(model, B, 4 * W).logits_in_chunks(ids, [W, 1]).double()
+    # Both are bf16 approximations of the float64 model: ours must be no worse than
+    # transformers' own bf16 run (with slack for a different order of roundings).
+    ours_err = (got - exact).abs().max().item()
+    theirs_err = (expected - exact).abs().max().item()
+    assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
+    agree = (got.argmax(-1) == exact.argmax(-1)).double().mean().item()
+    assert agree >= 0.9, agree
+
+
+def test_pack_linears_swaps_every_linear(checkpoints: dict[str, pathlib.Path]) -> None:
+    model = load_model(checkpoints["gemma3_text"], dtype=torch.bfloat16, pack=False)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linears(model) == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig
+
+    from engine import startup
+    from engine.errors import InvalidRequestError
+
+    cpu, cfg = torch.device("cpu"), LlamaConfig(dtype="float16")
+    monkeypatch.setattr(startup, "cpu_bf16_units", lambda: ["AVX512-BF16"])
+    dtype, why = startup.pick_dtype("auto", cpu, cfg)
+    assert dtype is torch.bfloat16 and "AVX512-BF16" in why
+    monkeypatch.setattr(startup, "cpu_bf16_units", lambda: [])
+    dtype, why = startup.pick_dtype("auto", cpu, cfg)
+    assert dtype is torch.float32 and "neither" in why
+    assert startup.pick_dtype("auto", torch.device("cuda"), cfg)[0] is torch.float16
+    assert startup.pick_dtype("float32", cpu, cfg) == (torch.float32, "asked for")
+    with pytest.raises(InvalidRequestError, match="dtype must be") as err:
+        startup.pick_dtype("int3", cpu, cfg)
+    assert err.value.param == "dtype"
+
+
+def test_engine_logs_its_dtype_choice(checkpoints: dict[str, pathlib.Path],
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    from engine import LLM
+    from engine.startup import cpu_bf16_units
+
+    with caplog.at_level("INFO", logger="ringserve.engine"):
+        llm = LLM(str(checkpoints["mistral"]), kv_cache_memory="4MiB", max_model_len=64)
+    expected = torch.bfloat16 if cpu_bf16_units() else torch.float32
+    assert llm.engine.dtype is expected
+    assert any(r.getMessage().startswith(f"dtype {str(expected)[6:]} (auto: ")
+               for r in caplog.records)
