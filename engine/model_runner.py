@@ -55,12 +55,13 @@ class ModelRunner:
         """Feed the step's tokens through the model, writing their K/V into the ring.
 
         Returns:
-            fp32 logits [num sampling sequences, vocab], in the order of ``scheduled``
-            restricted to the entries whose `samples` is true.
+            logits [num sampling sequences, vocab] in the model's dtype (float32 where the
+            model soft-caps them), in the order of ``scheduled`` restricted to the entries
+            whose `samples` is true.
         """
         input_ids, batch = self.prepare(scheduled)
         hidden = self.model(input_ids, batch, self.caches)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
         """Append the step's positions to the block manager and build the tensors."""

@@ -19,16 +19,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[
         list[int], list[TokenLogprob | None]
     ]:
-        """Sample a token for each row of ``logits`` [len(seqs), vocab] (fp32).
+        """Sample a token for each row of ``logits`` [len(seqs), vocab].
+
+        Greedy rows take the first maximum of the logits as given (any float dtype: widening
+        bf16 to float32 is exact, so the pick is the same); rows that sample or report
+        logprobs are widened to float32 first, and only those.
 
         Returns:
             The token ids, and per row the logprob record when the request asked for one
             (log-probabilities of the model's distribution, before temperature).
         """
-        tokens = torch.argmax(logits, dim=-1)
+        # NOTE: max().indices is the first maximum like argmax, and measured faster on CPU.
+        tokens = logits.max(dim=-1).indices
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
-            picked = self._sample_rows(logits[rows], [seqs[i] for i in rows])
+            picked = self._sample_rows(logits[rows].float(), [seqs[i] for i in rows])
             tokens[rows] = picked
         token_list: list[int] = tokens.tolist()
         return token_list, self._logprobs(logits, seqs, token_list)
@@ -58,7 +63,7 @@ class Sampler:
         result: list[TokenLogprob | None] = [None] * len(seqs)
         if not wanted:
             return result
-        logp = torch.log_softmax(logits[wanted], dim=-1)
+        logp = torch.log_softmax(logits[wanted].float(), dim=-1)
         k = max(seqs[i].params.logprobs or 0 for i in wanted)
         top_v, top_i = logp.topk(max(k, 1), dim=-1)
         chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted],

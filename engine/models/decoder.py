@@ -92,13 +92,19 @@ class CausalLM(nn.Module):
         out: torch.Tensor = self.model.norm(x)
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the given rows, with the final soft-cap where the family has one."""
-        logits: torch.Tensor = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """Logits of the given rows, with the final soft-cap where the family has one.
+
+        Args:
+            upcast: return float32 (the default). With False the logits stay in the
+                model's dtype unless a soft-cap needs float32: a greedy pick is the same
+                on them (widening is exact), and the sampler widens only the rows it samples.
+        """
+        logits: torch.Tensor = self.lm_head(hidden)
         cap = self.config.final_softcap
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            logits = torch.tanh(logits.float() / cap) * cap
+        return logits.float() if upcast else logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
