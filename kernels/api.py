@@ -70,7 +70,8 @@ def paged_attention(
         sliding_window: w (query i sees keys i - w < j <= i), or None for full attention.
         ring_blocks: R, the ring length (R * block_size >= w), or None.
         softcap: logits = softcap * tanh(logits / softcap) when set (Gemma-2).
-        backend: "triton", "torch", or None (Triton on CUDA, torch elsewhere).
+        backend: "triton", "cpu", "torch", or None (Triton on CUDA; on the CPU the
+            compiled decode kernel where it is built, else torch).
         out: optional preallocated output, query's shape and dtype.
 
     Returns:
@@ -82,6 +83,17 @@ def paged_attention(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
     chosen = pick_backend(backend, query)
+    if chosen == "cpu":
+        from kernels.cpu_attention import paged_attention_cpu, supports
+
+        if not supports(query):
+            raise ValueError("backend='cpu' needs CPU float32/bfloat16 tensors and the "
+                             "compiled kernel (see kernels/cpu_attention.py)")
+        return paged_attention_cpu(
+            query, key, value, key_cache, value_cache, block_tables, query_start_loc,
+            context_lens, scale=scale, sliding_window=sliding_window, ring_blocks=ring_blocks,
+            softcap=softcap, out=out,
+        )  # fmt: skip
     if chosen == "torch":
         return paged_attention_reference(
             query, key, value, key_cache, value_cache, block_tables, query_start_loc,
@@ -122,7 +134,7 @@ def write_kv(
         backend: "triton", "torch", or None (Triton on CUDA, torch elsewhere).
     """
     check_write_args(key, value, key_cache, value_cache, slot_mapping)
-    if pick_backend(backend, key) == "torch":
+    if pick_backend(backend, key) in ("torch", "cpu"):  # the CPU kernel is attention only
         write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
         return
     _require_triton_device(key)

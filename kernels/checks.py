@@ -11,7 +11,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 
 
 def _ndim(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -32,17 +32,22 @@ def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 def pick_backend(backend: str | None, query: torch.Tensor) -> str:
-    """Resolve `backend`: None means Triton for CUDA tensors, torch otherwise.
+    """Resolve `backend`: None means Triton for CUDA tensors, the compiled CPU kernel for
+    CPU tensors it supports (`kernels.cpu_attention.supports`), torch otherwise.
 
     Args:
-        backend: "triton", "torch" or None.
+        backend: "triton", "cpu", "torch" or None.
         query: a tensor of the call, whose device decides when backend is None.
 
     Returns:
-        "triton" or "torch".
+        "triton", "cpu" or "torch".
     """
     if backend is None:
-        return "triton" if query.is_cuda else "torch"
+        if query.is_cuda:
+            return "triton"
+        from kernels.cpu_attention import supports
+
+        return "cpu" if supports(query) else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     return backend

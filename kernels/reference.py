@@ -29,7 +29,7 @@ QUERY_CHUNK = 256
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Batch:
+class Batch:
     """The call's tensors and settings, bundled for the row helpers."""
 
     query: torch.Tensor
@@ -84,7 +84,7 @@ def _attend(
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, d)
 
 
-def _prefill_row(args: _Batch, row: PrefillRow, out: torch.Tensor) -> None:
+def prefill_row(args: Batch, row: PrefillRow, out: torch.Tensor) -> None:
     """Attention of one sequence's new tokens, in query slices that see only their window."""
     w, lo, ctx, start = args.window, row.lo, row.ctx, row.start
     n = row.end - start
@@ -114,7 +114,7 @@ def _prefill_row(args: _Batch, row: PrefillRow, out: torch.Tensor) -> None:
 
 
 def _decode_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, args: _Batch
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, args: Batch
 ) -> torch.Tensor:
     """One query per sequence over a padded window, one bmm per kv head, in fp32.
 
@@ -138,7 +138,7 @@ def _decode_attend(
     return res.transpose(0, 1)
 
 
-def _decode_batch(args: _Batch, plan: DecodeRows, out: torch.Tensor) -> None:
+def _decode_batch(args: Batch, plan: DecodeRows, out: torch.Tensor) -> None:
     """Attention of all one-token rows at once over their padded, gathered windows."""
     k = gather_rows(args.key_cache, plan.rows, "decode_k")  # [S, width, kvh, d]
     v = gather_rows(args.value_cache, plan.rows, "decode_v")
@@ -188,7 +188,7 @@ def paged_attention_reference(
     """
     if out is None:
         out = torch.empty_like(query)
-    args = _Batch(
+    args = Batch(
         query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
         block_size=key_cache.shape[1], window=sliding_window, ring=ring_blocks, scale=scale,
         softcap=softcap,
@@ -196,7 +196,7 @@ def paged_attention_reference(
     plan = step_plan(block_tables, query_start_loc, context_lens, block_size=args.block_size,
                      window=sliding_window, ring=ring_blocks)  # fmt: skip
     for row in plan.prefill:
-        _prefill_row(args, row, out)
+        prefill_row(args, row, out)
     for rows in plan.decode:
         _decode_batch(args, rows, out)
     return out

@@ -59,6 +59,8 @@ class StepPlan:
     index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     prefill: list[PrefillRow]
     decode: list[DecodeRows]
+    # int64 [num decode rows] each: sequence index, token index, context length
+    decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _decode_rows(
@@ -111,7 +113,12 @@ def _build(
     decode = [_decode_rows(block_tables, [seqs[i] for i in group], [tokens[i] for i in group],
                            [ctxs[seqs[i]] for i in group], settings)
               for group in _length_groups([ctxs[s] for s in seqs], window)]  # fmt: skip
-    return StepPlan(key=key, index=index, prefill=prefill, decode=decode)
+    dev = block_tables.device
+    decode_index = (torch.tensor(seqs, dtype=torch.int64, device=dev),
+                    torch.tensor(tokens, dtype=torch.int64, device=dev),
+                    torch.tensor([ctxs[s] for s in seqs], dtype=torch.int64, device=dev))
+    return StepPlan(key=key, index=index, prefill=prefill, decode=decode,
+                    decode_index=decode_index)
 
 
 def _length_groups(ctxs: list[int], window: int | None) -> list[list[int]]:

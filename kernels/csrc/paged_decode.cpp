@@ -1,0 +1,178 @@
+// Decode attention over the ring, read in place: the CPU path's one compiled kernel.
+//
+// One new token per sequence attends to its cached window, read block by block through
+// the ring table (position p lives at cache[table[s, (p / b) % R], p % b], DESIGN.md §2),
+// and to its own fresh K/V. Every cached K and V row of the window is read exactly once,
+// widened to float32 in registers; nothing is copied out of the cache. Two passes per
+// (sequence, kv head): scores for the group's query heads, then the softmax-weighted sum
+// of V. Work is split over (sequence, kv head) pairs with ATen's parallel_for.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  // NOTE: bf16 is the top half of a float32: a shift, which the compiler vectorises.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * widen(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(v[i]);
+}
+
+struct Args {
+  int64_t kv_heads, group, d, block_size, window, ring, table_width;
+  float scale, softcap;
+};
+
+// Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group.
+template <typename T>
+void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* key,
+                const T* value, const T* key_cache, const T* value_cache,
+                const int32_t* tables, int64_t token, int64_t ctx, T* out,
+                std::vector<float>& scores, std::vector<float>& qbuf,
+                std::vector<float>& acc) {
+  const int64_t d = a.d, g = a.group;
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
+  const int64_t len = ctx - lo + 1;  // cached window + the fresh key
+  scores.resize(static_cast<size_t>(g * len));
+  qbuf.resize(static_cast<size_t>(g * d));
+  acc.assign(static_cast<size_t>(g * d), 0.f);
+  const int64_t row = a.kv_heads * d;  // elements per cache slot
+  for (int64_t j = 0; j < g; ++j) {
+    const T* q = query + (token * a.kv_heads * g + h * g + j) * d;
+    for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = widen(q[i]) * a.scale;
+  }
+  const int32_t* table = tables + s * a.table_width;
+  auto slot_of = [&](int64_t p) -> int64_t {
+    int64_t logical = p / a.block_size;
+    int64_t column = a.ring > 0 ? logical % a.ring : logical;
+    return static_cast<int64_t>(table[column]) * a.block_size + p % a.block_size;
+  };
+  // Pass 1: scores. Column c is position lo + c; the last column is the fresh key.
+  for (int64_t c = 0; c < len; ++c) {
+    const T* k = c + 1 < len ? key_cache + slot_of(lo + c) * row + h * d
+                             : key + (token * a.kv_heads + h) * d;
+    for (int64_t j = 0; j < g; ++j) scores[j * len + c] = dot(&qbuf[j * d], k, d);
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* sc = &scores[j * len];
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < len; ++c) {
+      if (a.softcap > 0.f) sc[c] = a.softcap * std::tanh(sc[c] / a.softcap);
+      top = std::max(top, sc[c]);
+    }
+    float sum = 0.f;
+    for (int64_t c = 0; c < len; ++c) {
+      sc[c] = std::exp(sc[c] - top);
+      sum += sc[c];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t c = 0; c < len; ++c) sc[c] *= inv;
+  }
+  // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
+  for (int64_t c = 0; c < len; ++c) {
+    const T* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d
+                             : value + (token * a.kv_heads + h) * d;
+    for (int64_t j = 0; j < g; ++j) axpy(&acc[j * d], scores[j * len + c], v, d);
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    T* o = out + (token * a.kv_heads * g + h * g + j) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[j * d + i]);
+  }
+}
+
+template <typename T>
+void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
+         const at::Tensor& value, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& tables, const at::Tensor& seq_ids, const at::Tensor& tokens,
+         const at::Tensor& ctxs, at::Tensor& out) {
+  const int64_t n = seq_ids.size(0);
+  const int64_t* seq = seq_ids.data_ptr<int64_t>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* ctx = ctxs.data_ptr<int64_t>();
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qbuf, acc;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
+      decode_one<T>(a, seq[i], h, q, k, v, kc, vc, tb, tok[i], ctx[i], o, scores, qbuf, acc);
+    }
+  });
+}
+
+// Writes out[tokens[i]] for each decode row i; other rows of `out` are left untouched.
+void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_ids,
+                  const at::Tensor& tokens, const at::Tensor& context_lens, at::Tensor out,
+                  double scale, int64_t window, int64_t ring, double softcap) {
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && out.is_contiguous(),
+              "paged_decode: tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_decode: block_tables must be int32");
+  TORCH_CHECK(seq_ids.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong,
+              "paged_decode: seq_ids, tokens, context_lens must be int64");
+  Args a;
+  a.kv_heads = key_cache.size(2);
+  a.d = key_cache.size(3);
+  a.group = query.size(1) / a.kv_heads;
+  a.block_size = key_cache.size(1);
+  a.window = window;
+  a.ring = ring;
+  a.table_width = block_tables.size(1);
+  a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
+  if (query.scalar_type() == at::kFloat) {
+    run<float>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids, tokens,
+               context_lens, out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids,
+                       tokens, context_lens, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ringserve, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor seq_ids, Tensor tokens, "
+      "Tensor context_lens, Tensor(a!) out, float scale, int window, int ring, "
+      "float softcap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ringserve, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,88 @@
+"""The compiled CPU decode kernel (reads the ring in place) against a float64 dense oracle.
+
+Every slot that no query may read holds NaN (or 1e30), so a read outside the window, of an
+expired position or through a padding table entry shows up in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_attention
+from kernels.checks import pick_backend
+from tests.kernel_utils import (
+    CASE_IDS,
+    CASES,
+    assert_close,
+    case_seed,
+    dense_attention,
+    make_case,
+    random_case_args,
+)
+
+
+def test_kernel_is_built_here() -> None:
+    """CI machines have a compiler: the fast path must really be the one tested."""
+    assert cpu_attention.available()
+    assert pick_backend(None, torch.zeros(1)) == "cpu"
+
+
+@pytest.mark.parametrize(("name", "seqs", "kwargs"), CASES, ids=CASE_IDS)
+def test_cpu_kernel_matches_dense(name: str, seqs: list[tuple[int, int]], kwargs: dict) -> None:
+    case = make_case(seqs, seed=case_seed(name), **kwargs)
+    out = torch.full_like(case.query, float("nan"))
+    if case.query.dtype == torch.float16:  # not compiled for fp16: the default falls back
+        with pytest.raises(ValueError, match="backend='cpu'"):
+            kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu")
+        res = kernels.paged_attention(*case.tensors(), **case.kwargs(), out=out)
+    else:
+        res = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu", out=out)
+    assert res is out
+    assert_close(out, dense_attention(case), case.query.dtype)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cpu_kernel_random_configs(seed: int) -> None:
+    seqs, kwargs = random_case_args(seed)
+    kwargs["dtype"] = torch.float32 if kwargs["dtype"] == torch.float16 else kwargs["dtype"]
+    case = make_case(seqs, **kwargs)
+    out = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu")
+    assert_close(out, dense_attention(case), case.query.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_ragged_decode_batch_matches_reference(dtype: torch.dtype) -> None:
+    """Gemma-3-like heads (4 q / 1 kv, d 256) over wrapped rings of different lengths."""
+    seqs = [(700, 1), (5, 1), (511, 1), (512, 1), (1300, 1), (0, 1), (64, 1)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=256, block_size=16,
+                     window=512, dtype=dtype, seed=7)
+    got = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu")
+    assert_close(got, dense_attention(case), dtype)
+    ref = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="torch")
+    assert_close(got, ref, dtype)
+
+
+def test_cpu_path_does_not_mutate_inputs() -> None:
+    case = make_case([(19, 4), (33, 1), (0, 2), (5, 0), (40, 1)], softcap=2.0, seed=5)
+    before = [t.clone() for t in case.tensors()]
+    kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu")
+    for old, new in zip(before, case.tensors(), strict=True):
+        torch.testing.assert_close(new, old, rtol=0, atol=0, equal_nan=True)
+
+
+def test_non_contiguous_value_and_out() -> None:
+    """The model hands over V as a view of the fused qkv output."""
+    case = make_case([(30, 1), (12, 1), (7, 3)], seed=2)
+    wide = torch.randn(case.value.shape[0], 3, *case.value.shape[1:])
+    wide[:, 1] = case.value
+    value = wide[:, 1]
+    assert not value.is_contiguous()
+    out = torch.full((case.query.shape[1], case.query.shape[0], case.query.shape[2]),
+                     float("nan")).transpose(0, 1)
+    args = list(case.tensors())
+    args[2] = value
+    res = kernels.paged_attention(*args, **case.kwargs(), backend="cpu", out=out)
+    assert res is out
+    assert_close(out, dense_attention(case), case.query.dtype)
