@@ -61,7 +61,7 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         load(name=f"ringserve_paged_decode_{_cpu_tag()}", sources=[str(_SOURCE)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
              verbose=False)  # fmt: skip
     except Exception as err:  # no compiler, no ninja, a build error: serve with torch
         logger.warning("CPU decode kernel unavailable, using the torch path: %s",
