@@ -218,10 +218,13 @@ def write_kv_reference(
     """
     block_size = key_cache.shape[1]
     slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
+    # NOTE: skipped slots (-1) are rare (a chunk longer than its ring); the boolean
+    # selection they need costs more than the write itself in a decode step.
+    keep = None if slots.numel() == 0 or int(slots.min()) >= 0 else slots >= 0
+    if keep is not None:
+        slots = slots[keep]
     for cache, new in ((key_cache, key), (value_cache, value)):
-        rows = new[keep].to(cache.dtype)
+        rows = (new if keep is None else new[keep]).to(cache.dtype)
         if cache.stride(0) == block_size * cache.stride(1):  # flat view: one index_copy_
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
         else:

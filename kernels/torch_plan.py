@@ -51,16 +51,34 @@ class DecodeRows:
     valid: torch.Tensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class StepPlan:
-    """What `paged_attention_reference` needs besides the tensors' values."""
+    """What `paged_attention_reference` needs besides the tensors' values.
+
+    The decode rows' gather indices are built on first use: the compiled CPU kernel
+    (`kernels.cpu_attention`) reads the ring itself and needs only `decode_index`.
+    """
 
     key: tuple[object, ...]
     index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    settings: tuple[int, int | None, int | None]
     prefill: list[PrefillRow]
-    decode: list[DecodeRows]
     # int64 [num decode rows] each: sequence index, token index, context length
     decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    _decode: list[DecodeRows] | None = None
+
+    @property
+    def decode(self) -> list[DecodeRows]:
+        """Decode rows grouped by window length, with their padded gather indices."""
+        if self._decode is None:
+            seqs, tokens, ctxs = (t.tolist() for t in self.decode_index)
+            window = self.settings[1]
+            self._decode = [
+                _decode_rows(self.index[0], [seqs[i] for i in group],
+                             [tokens[i] for i in group], [ctxs[i] for i in group],
+                             self.settings)
+                for group in _length_groups(ctxs, window)]  # fmt: skip
+        return self._decode
 
 
 def _decode_rows(
@@ -110,14 +128,11 @@ def _build(
             positions = torch.arange(lo, ctx, device=block_tables.device)
             rows = slot_rows(block_tables, seq, positions, block_size, ring)
             prefill.append(PrefillRow(start=start, end=end, ctx=ctx, lo=lo, rows=rows))
-    decode = [_decode_rows(block_tables, [seqs[i] for i in group], [tokens[i] for i in group],
-                           [ctxs[seqs[i]] for i in group], settings)
-              for group in _length_groups([ctxs[s] for s in seqs], window)]  # fmt: skip
     dev = block_tables.device
     decode_index = (torch.tensor(seqs, dtype=torch.int64, device=dev),
                     torch.tensor(tokens, dtype=torch.int64, device=dev),
                     torch.tensor([ctxs[s] for s in seqs], dtype=torch.int64, device=dev))
-    return StepPlan(key=key, index=index, prefill=prefill, decode=decode,
+    return StepPlan(key=key, index=index, settings=settings, prefill=prefill,
                     decode_index=decode_index)
 
 
