@@ -28,7 +28,7 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.startup import describe, kv_memory_bytes, pick_device, pick_dtype
 from engine.stopping import append_token
-from kernels import cpu_attention
+from kernels import cpu_build
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -47,7 +47,7 @@ class LLMEngine:
         self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.device.type == "cpu":
-            cpu_attention.available()  # build the decode kernel now, not at the first request
+            cpu_build.available()  # build the CPU kernels now, not at the first request
         self.tokenizer = load_tokenizer(resolved.path)
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config)

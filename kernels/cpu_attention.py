@@ -6,68 +6,19 @@ times the bytes the attention needs, every layer. `csrc/paged_decode.cpp` reads 
 V row of the window once, through the block table, and writes the output row directly.
 Prefill chunks are compute-bound and stay on the reference's bmm path.
 
-The kernel is compiled with the machine's own compiler on first use (about a minute, once:
-the build lands in torch's extension cache, keyed by the source, the flags and this CPU's
-features). Where it cannot be built (no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is
-set, `available()` is False and the torch reference serves everything, as before.
+The kernel is built by `kernels.cpu_build`; where it cannot be (no compiler) the torch
+reference serves everything, as before.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
-from pathlib import Path
-
 import torch
 
+from kernels.cpu_build import available
 from kernels.reference import Batch, prefill_row
 from kernels.torch_plan import step_plan
 
-logger = logging.getLogger("ringserve.kernels")
-
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 _DTYPES = (torch.float32, torch.bfloat16)
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
-
-
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: a build made for another CPU is not reused."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")  # fmt: skip
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-
-
-def available() -> bool:
-    """Whether the compiled decode kernel is loaded (builds it on the first call)."""
-    if "ok" in _state:
-        return _state["ok"]
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _build()
-    return _state["ok"]
-
-
-def _build() -> bool:
-    if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
-        logger.info("CPU decode kernel off (RINGSERVE_CPU_KERNELS=0): torch path")
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name=f"ringserve_paged_decode_{_cpu_tag()}", sources=[str(_SOURCE)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
-             verbose=False)  # fmt: skip
-    except Exception as err:  # no compiler, no ninja, a build error: serve with torch
-        logger.warning("CPU decode kernel unavailable, using the torch path: %s",
-                       str(err).strip().splitlines()[-1] if str(err).strip() else err)
-        return False
-    return True
 
 
 def supports(query: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_attention
+from kernels import cpu_build
 from kernels.checks import pick_backend
 from tests.kernel_utils import (
     CASE_IDS,
@@ -25,7 +25,7 @@ from tests.kernel_utils import (
 
 def test_kernel_is_built_here() -> None:
     """CI machines have a compiler: the fast path must really be the one tested."""
-    assert cpu_attention.available()
+    assert cpu_build.available()
     assert pick_backend(None, torch.zeros(1)) == "cpu"
 
 
@@ -86,3 +86,48 @@ def test_non_contiguous_value_and_out() -> None:
     res = kernels.paged_attention(*args, **case.kwargs(), backend="cpu", out=out)
     assert res is out
     assert_close(out, dense_attention(case), case.query.dtype)
+
+
+def _rms64(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * scale.double()
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    r, rest = x[..., :rot], x[..., rot:]
+    x1, x2 = r[..., : rot // 2], r[..., rot // 2 :]
+    out = r * cos.double() + torch.cat((-x2, x1), dim=-1) * sin.double()
+    return torch.cat((out, rest), dim=-1)
+
+
+def test_rms_norm_matches_float64_on_strided_rows() -> None:
+    from kernels import cpu_norm
+
+    torch.manual_seed(0)
+    wide = torch.randn(7, 3, 2 * 80).to(torch.bfloat16)
+    x = wide[:, :, 40:120]  # rows with a stride: a view into a wider tensor
+    scale = 1.0 + 0.3 * torch.randn(80)
+    assert cpu_norm.supports(x)
+    got = cpu_norm.rms_norm(x, scale, 1e-6)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), _rms64(x, scale, 1e-6), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("rot", [32, 16], ids=["full", "partial"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_norm_rope_matches_float64(rot: int, norm: bool) -> None:
+    from kernels import cpu_norm
+
+    torch.manual_seed(1)
+    tokens, heads, d = 5, 3, 32
+    fused = torch.randn(tokens, heads * d + 2 * d).to(torch.bfloat16)  # a qkv output
+    x = fused[:, : heads * d].view(tokens, heads, d)
+    angles = torch.rand(tokens, 1, rot // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(torch.bfloat16)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(torch.bfloat16)
+    scale = 1.0 + 0.3 * torch.randn(d) if norm else None
+    got = cpu_norm.norm_rope(x, scale, cos, sin, 1e-6)
+    h = _rms64(x, scale, 1e-6) if scale is not None else x.double()
+    assert got.is_contiguous() and got.shape == x.shape
+    torch.testing.assert_close(got.double(), _rope64(h, cos, sin), rtol=2**-7, atol=2e-2)

@@ -11,6 +11,7 @@ from torch import nn
 import kernels
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig, RopeConfig, UnsupportedConfigError
+from kernels import cpu_norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -21,15 +22,30 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32. ``plus_one``: Gemma's ``x * (1 + w)``, cast after the multiply."""
+    """RMSNorm in fp32. ``plus_one``: Gemma's ``x * (1 + w)``, cast after the multiply.
+
+    bf16 CPU tensors take one compiled pass (`kernels.cpu_norm`), multiplying by the weight
+    in float32 before the one rounding; everything else runs transformers' op sequence.
+    """
 
     def __init__(self, dim: int, eps: float, *, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.plus_one = plus_one
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self._scale: tuple[int, torch.Tensor] | None = None
+
+    def scale(self) -> torch.Tensor:
+        """The effective weight in float32 (``1 + w`` or ``w``), kept until w changes."""
+        version = self.weight._version
+        if self._scale is None or self._scale[0] != version:
+            w = self.weight.detach().float()
+            self._scale = (version, (1.0 + w) if self.plus_one else w.clone())
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_norm.supports(x):
+            return cpu_norm.rms_norm(x, self.scale(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
@@ -150,10 +166,17 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cpu_norm.supports(q):  # one compiled pass each: (q/k norm +) rotary
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = cpu_norm.norm_rope(q, self.q_norm.scale() if self.qk_norm else None, cos, sin,
+                                   eps)
+            k = cpu_norm.norm_rope(k, self.k_norm.scale() if self.qk_norm else None, cos, sin,
+                                   eps)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         tables = batch.groups[self.group]
         key_cache, value_cache = kv_cache
         out = kernels.paged_attention(
