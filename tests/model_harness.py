@@ -84,6 +84,24 @@ class RingHarness:
         return out
 
 
+def teacher_forced_logits(model: CausalLM, tokens: Sequence[int], chunk: int,
+                          block_size: int = 16) -> torch.Tensor:
+    """fp32 logits [len(tokens), vocab] at every position of ``tokens``, fed through the
+    ring in prefill chunks of ``chunk`` tokens (a `RingHarness`: NaN-poisoned caches, every
+    cached read checked).
+
+    Raises:
+        RuntimeError: a read of an overwritten slot, or a logit that is not finite.
+    """
+    harness = RingHarness(model, block_size, len(tokens))
+    logits = harness.logits_in_chunks(tokens, [chunk])
+    misses = harness.kv.stats().read_misses
+    if misses or not bool(torch.isfinite(logits).all()):
+        raise RuntimeError(f"teacher forcing read {misses} overwritten slots or produced "
+                           "non-finite logits")
+    return logits
+
+
 def load_ours(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
     """Our model for an HF folder, through the engine's own loader."""
     return load_model(path, dtype=dtype)
