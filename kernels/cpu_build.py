@@ -45,6 +45,7 @@ def _build() -> bool:
     if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (RINGSERVE_CPU_KERNELS=0): torch paths")
         return False
+    logger.info("loading the CPU kernels (built once per machine and source: 15-60 s)")
     try:
         from torch.utils.cpp_extension import load
 

@@ -1,0 +1,79 @@
+"""Where a decode step's time goes: torch's profiler over a few engine steps.
+
+    python benchmarks/step_profile.py --batch 8                  # gemma-3-270m, dtype auto
+    python benchmarks/step_profile.py --batch 32 --context 400 --shapes
+
+Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
+(median and fastest) and prints the profiler's table of one more batch of steps, so the
+ops that cost the most are named beside the step time. Run it alone on the machine: on a
+busy CPU every parallel region waits for a descheduled thread and the table says little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    total = args.context + args.steps + args.profile_steps + 8
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="2GiB",
+              max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1))
+    engine = llm.engine
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=total - args.context, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        ids = [(7919 * j + 104729 * i) % (vocab - 10) + 5 for j in range(args.context)]
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": ids}, params)
+    start = time.perf_counter()
+    while engine.scheduler.waiting or any(
+            s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    prefill = time.perf_counter() - start
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+    table = prof.key_averages(group_by_input_shape=args.shapes).table(
+        sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=36,
+        max_shapes_column_width=70)
+    print(table)
+    median = statistics.median(times)
+    print(f"{args.model} {engine.dtype} batch {args.batch}, context {args.context}, "
+          f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
+          f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "
+          f"({args.batch / median:.1f} tok/s); the table covers {args.profile_steps} steps")
+
+
+if __name__ == "__main__":
+    main()
