@@ -114,6 +114,53 @@ inline void value_row(float* acc, const float* p, int64_t stride, const T* v, in
   axpys(acc, p, stride, v, g, d);
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (softmax after subtracting the max), relative error ~2e-7: a degree-6
+// polynomial of the remainder after 2^n, scaled back with scalef.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// In place: softmax of one row of scores (after the optional soft-cap).
+inline void softmax(float* sc, int64_t len, float softcap) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < len; ++c) {
+    if (softcap > 0.f) sc[c] = softcap * std::tanh(sc[c] / softcap);
+    top = std::max(top, sc[c]);
+  }
+  float sum = 0.f;
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 vtop = _mm512_set1_ps(top);
+  for (; c + 16 <= len; c += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + c), vtop));
+    _mm512_storeu_ps(sc + c, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; c < len; ++c) {
+    sc[c] = std::exp(sc[c] - top);
+    sum += sc[c];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < len; ++i) sc[i] *= inv;
+}
+
 struct Args {
   int64_t kv_heads, group, d, block_size, window, ring, table_width;
   float scale, softcap;
@@ -149,21 +196,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
                              : key + (token * a.kv_heads + h) * d;
     score_row(qbuf.data(), k, g, d, &scores[c], len);
   }
-  for (int64_t j = 0; j < g; ++j) {
-    float* sc = &scores[j * len];
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < len; ++c) {
-      if (a.softcap > 0.f) sc[c] = a.softcap * std::tanh(sc[c] / a.softcap);
-      top = std::max(top, sc[c]);
-    }
-    float sum = 0.f;
-    for (int64_t c = 0; c < len; ++c) {
-      sc[c] = std::exp(sc[c] - top);
-      sum += sc[c];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t c = 0; c < len; ++c) sc[c] *= inv;
-  }
+  for (int64_t j = 0; j < g; ++j) softmax(&scores[j * len], len, a.softcap);
   // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
   for (int64_t c = 0; c < len; ++c) {
     const T* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d
