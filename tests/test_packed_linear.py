@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.model_loader import load_model
 from engine.models.packed_linear import PackedLinear, can_pack, fuse_projections, pack_linears
+from kernels import cpu_gemm
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import FAMILIES, B, W, make_checkpoint, random_tokens
 
@@ -28,7 +29,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.P
     return {family: make_checkpoint(family, root) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("shape", [(0,), (1,), (5,), (2, 3)], ids=str)
+@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (4,), (5,), (2, 3), (9,)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> None:
     torch.manual_seed(0)
@@ -41,8 +42,21 @@ def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> No
     assert got.shape == (*shape, 40) and got.dtype == torch.bfloat16
     # bf16 output: one rounding of a float32 accumulation (8 mantissa bits)
     torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-3)
-    assert not any(p.dtype == torch.bfloat16 and not p.is_mkldnn and p.dim() == 2
-                   for p in packed.parameters()), "the plain weight must not be kept"
+    assert packed.small == cpu_gemm.supports(linear.weight)
+
+
+@pytest.mark.parametrize("k", [640, 96, 100, 7], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("rows", range(0, 9))
+def test_small_gemm_matches_float64(rows: int, k: int) -> None:
+    """Every row count the kernel serves, and widths that are not a multiple of 32."""
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    w = (torch.randn(200, k) / 8).to(torch.bfloat16)
+    bias = torch.randn(200).to(torch.bfloat16)
+    got = cpu_gemm.linear_small(x, w, bias)
+    expected = x.double() @ w.double().T + bias.double()
+    assert got.shape == (rows, 200) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=2e-2)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

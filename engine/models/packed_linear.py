@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import MLP, Attention
+from kernels import cpu_gemm
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -29,11 +30,22 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # fmt: skip
 
 
+# NOTE: decode steps of at most this many rows take the compiled small-batch GEMV
+# (`kernels/csrc/small_gemm.cpp`), which streams the plain weight at memory speed;
+# measured (2 threads, gemma-3-270m shapes): 1.6-2x oneDNN's packed GEMM at 1-2 rows,
+# about even at 4, slower at 8 (it turns compute-bound), so larger batches keep oneDNN.
+SMALL_ROWS = 4
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` (same `in_features`, `out_features`, bias) over a oneDNN-packed weight.
 
+    Batches of up to `SMALL_ROWS` rows run the compiled GEMV over the plain weight, which
+    is kept beside the packed one for that (for a head tied to the embedding it is the
+    embedding itself, so it costs nothing).
+
     Args:
-        linear: the layer to pack; this module keeps only the packed copy of its weight.
+        linear: the layer to pack.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -43,12 +55,17 @@ class PackedLinear(nn.Module):
         # NOTE: batch size None: one layout for every batch size (decode and prefill).
         self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, None),
                                    requires_grad=False)
+        self.weight = linear.weight
         self.bias = linear.bias
+        self.small = cpu_gemm.supports(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            flat, self.packed, self.bias, "none", [], "")
+        if self.small and flat.shape[0] <= SMALL_ROWS:
+            out = cpu_gemm.linear_small(flat, self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(
+                flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
