@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_REQ ?= requirements/torch-cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench bench-peers clean
 
 $(VENV)/.stamp-base: pyproject.toml $(TORCH_REQ)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ lint: $(VENV)/.stamp-test
 
 bench: $(VENV)/.stamp-base
 	$(PY) benchmarks/block_manager_bench.py
+
+# ringserve beside vLLM (CPU build) and llama.cpp on the same weights; sets the peers up once
+# under .cache/peers/ (tens of minutes the first time). Not part of `make test`. Options go
+# through ARGS, e.g. `make bench-peers ARGS="--quick --only ringserve,llamacpp-q4"`.
+bench-peers: $(VENV)/.stamp-test $(VENV)/.stamp-models
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PIP) install -q 'matplotlib>=3.8'
+	$(PY) benchmarks/peers/run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

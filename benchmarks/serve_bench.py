@@ -104,7 +104,9 @@ def report(results: list[Result], duration: float, input_len: int) -> None:
             break
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
+    """Load the server as `args` says, print the report, return each request's result and
+    the wall time of the whole load in seconds."""
     rng = random.Random(args.seed)
     vocab = args.vocab_low, args.vocab_high
     prompts = [[rng.randrange(*vocab) for _ in range(args.input_len)]
@@ -121,6 +123,7 @@ async def run(args: argparse.Namespace) -> None:
         results = await asyncio.gather(*(guarded(p) for p in prompts))
         duration = time.perf_counter() - start
     report(results, duration, args.input_len)
+    return results, duration
 
 
 def main() -> None:

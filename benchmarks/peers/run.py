@@ -1,0 +1,212 @@
+"""`make bench-peers`: ringserve, vLLM's CPU build and llama.cpp's llama-server on the same
+gemma-3-270m weights, each alone on the machine, at concurrency 1, 8 and 32.
+
+    .venv/bin/python benchmarks/peers/run.py [--only ringserve,vllm] [--quick] [--setup-only]
+
+Writes benchmarks/results/peers.{md,png,json}. A row whose setup or start fails is recorded
+as failed and the others still run. See benchmarks/peers/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import load
+import machine_load
+import read_limit
+import report
+import servers
+import setup_llamacpp
+import setup_vllm
+from model_files import hf_folder, parameter_count
+from paths import MODEL, RESULTS, ROOT, log
+
+KINDS = ("ringserve", "vllm", "llamacpp-q4", "llamacpp-bf16")
+DEFAULT_RINGSERVE = "; --dtype float32"  # two rows: the defaults, and float32
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(KINDS),
+                   help=f"comma-separated rows to run, of: {', '.join(KINDS)}")
+    p.add_argument("--ringserve-args", default=os.environ.get("RINGSERVE_ARGS",
+                                                                DEFAULT_RINGSERVE),
+                   help="';'-separated ringserve serve argument lists, one row each "
+                        "(default: env RINGSERVE_ARGS, else %(default)r)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    p.add_argument("--prompts", type=_ints, default=[4, 16, 64],
+                   help="requests per concurrency level")
+    p.add_argument("--quick", action="store_true",
+                   help="one round of requests per level (concurrency-many) and 32 output "
+                        "tokens: checks the whole pipeline, not a measurement")
+    p.add_argument("--setup-only", action="store_true", help="set up every selected peer, "
+                   "check that each serves one completion, and stop")
+    p.add_argument("--quiet-wait", type=float, default=600.0,
+                   help="seconds each load may wait for other processes to leave the CPUs "
+                        "(default: %(default)s)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="loads measured again when others used the CPUs during them")
+    p.add_argument("--out", type=Path, default=RESULTS / "peers",
+                   help="output prefix (default: %(default)s)")
+    args = p.parse_args()
+    unknown = set(args.only.split(",")) - set(KINDS)
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KINDS)}")
+    if len(args.prompts) != len(args.concurrency):
+        p.error("--prompts needs one number per --concurrency level")
+    if args.quick:
+        args.prompts = list(args.concurrency)
+        load.OUTPUT_LEN = 32
+    return args
+
+
+def setup(kinds: set[str]) -> dict[str, str]:
+    """Every selected peer's setup; returns the error of each that failed."""
+    errors: dict[str, str] = {}
+    steps: dict[str, Callable[[], object]] = {
+        "vllm": setup_vllm.main,
+        "llamacpp-q4": lambda: (setup_llamacpp.build(), setup_llamacpp.q4_gguf()),
+        "llamacpp-bf16": lambda: (setup_llamacpp.build(), setup_llamacpp.bf16_gguf(hf_folder())),
+    }
+    for kind, step in steps.items():
+        if kind in kinds:
+            start = time.monotonic()
+            try:
+                step()
+                log(f"setup {kind}: ok ({time.monotonic() - start:.0f} s)")
+            except Exception as err:  # a failed peer is a row of the table, not a crash
+                errors[kind] = f"setup: {err}"
+                log(f"setup {kind} FAILED: {err}")
+    return errors
+
+
+def measure(server: servers.Server, conc: int, prompts: int,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One load after a warm-up and a wait for a quiet machine; measured again (up to
+    `--retries` times) while other processes took more than 10% of the CPUs during it."""
+    best: dict[str, Any] | None = None
+    for attempt in range(1 + args.retries):
+        load.warm_up(servers.URL, conc)
+        machine_load.wait_quiet(server.pid, args.quiet_wait)
+        with machine_load.OthersMeter(server.pid) as others:
+            m = load.measure(servers.URL, conc, prompts)
+        log(f"{server.row.name} conc {conc}: {m.output_tok_s:.1f} tok/s, "
+            f"TPOT {m.tpot_ms:.1f} ms, TTFT p50 {m.ttft_p50_ms:.0f} ms; "
+            f"others used {others.share:.0%} of the CPUs")
+        if best is None or others.share < best["others_cpu"]:
+            best = {**m.as_dict(), "others_cpu": others.share}
+        if others.share <= 0.10:
+            break
+        if attempt < args.retries:
+            log("measuring again: the machine was not quiet")
+    assert best is not None
+    return best
+
+
+def run_row(row: servers.Row, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": row.name, "kind": row.kind, "measurements": [],
+                           "error": "", "command": "", "weights": row.weights,
+                           "load_average": os.getloadavg()}
+    try:
+        server = servers.Server(row)
+        out["command"] = server.describe()
+        with server:
+            out["weights"] = server.weights
+            for conc, n in zip(args.concurrency, args.prompts, strict=True):
+                out["measurements"].append(measure(server, conc, n, args))
+    except Exception as err:  # recorded in the table; the next row runs
+        out["error"] = str(err)
+        log(f"{row.name} FAILED: {err}")
+        traceback.print_exc()
+    return out
+
+
+def smoke(row: servers.Row) -> str:
+    """Start the row and ask for one greedy completion; the text, or the error."""
+    import httpx
+
+    try:
+        with servers.Server(row):
+            r = httpx.post(f"{servers.URL}/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": "Once upon a time, there was a little girl named",
+                "max_tokens": 16, "temperature": 0})
+            r.raise_for_status()
+            return "ok: " + repr(r.json()["choices"][0]["text"])
+    except Exception as err:
+        return f"FAILED: {err}"
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB"
+
+
+def main() -> None:
+    args = parse_args()
+    kinds = set(args.only.split(","))
+    ringserve_args = [a.strip() for a in args.ringserve_args.split(";")]
+    rows = [r for r in servers.default_rows(ringserve_args, hf_folder) if r.kind in kinds]
+    errors = setup(kinds)
+    if args.setup_only:
+        for row in rows:
+            log(f"{row.name}: {errors.get(row.kind) or smoke(row)}")
+        return
+    folder = hf_folder()
+    params = parameter_count(folder)
+    machine_load.wait_quiet(None, args.quiet_wait)
+    bandwidth = read_limit.read_bandwidth()
+    log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {params:,} parameters")
+    context = load.INPUT_LEN + load.OUTPUT_LEN // 2
+    results = []
+    for row in rows:
+        result: dict[str, Any]
+        if row.kind in errors:
+            result = {"name": row.name, "kind": row.kind, "measurements": [], "command": "",
+                      "error": errors[row.kind], "weights": row.weights,
+                      "load_average": os.getloadavg()}
+        else:
+            result = run_row(row, args)
+        result["weight_bytes"], result["ceilings"] = 0, []
+        fmt = result["weights"]
+        if fmt in read_limit.BYTES or (fmt == "gguf" and row.kind not in errors):
+            weights = read_limit.weight_bytes(fmt, params, row.gguf() if row.gguf else None)
+            kv = read_limit.kv_bytes_per_token(folder, read_limit.kv_element_bytes(fmt))
+            result["weight_bytes"] = weights
+            result["ceilings"] = [read_limit.ceiling(c, weights, kv, context, bandwidth)
+                                  for c in args.concurrency]
+        results.append(result)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    data = {"meta": {
+        "model": MODEL, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
+        "bandwidth_gb_s": bandwidth / 1e9, "parameters": params, "quick": args.quick,
+        "concurrency": args.concurrency, "prompts": args.prompts,
+        "input_len": load.INPUT_LEN, "output_len": load.OUTPUT_LEN, "context_tokens": context,
+        "invocation": shlex.join(["python", *sys.argv]), "commit": commit,
+        "quiet_wait": args.quiet_wait,
+        "hf_folder": str(folder)}, "rows": results}
+    report.write(data, args.out)
+    log(f"wrote {args.out}.md, .png and .json")
+
+
+if __name__ == "__main__":
+    main()
