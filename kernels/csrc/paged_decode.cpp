@@ -14,6 +14,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,14 +25,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  // NOTE: bf16 is the top half of a float32: a shift, which the compiler vectorises.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using ringserve::to_f;
 
 // Scores of `g` query heads (rows of q, each d floats) against one key row: out[j] = q_j . k.
 template <typename T>
@@ -38,7 +33,7 @@ inline void dots(const float* q, const T* k, int64_t g, int64_t d, float* out, i
   for (int64_t j = 0; j < g; ++j) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; ++i) acc += q[j * d + i] * widen(k[i]);
+    for (int64_t i = 0; i < d; ++i) acc += q[j * d + i] * to_f(k[i]);
     out[j * stride] = acc;
   }
 }
@@ -50,7 +45,7 @@ inline void axpys(float* acc, const float* p, int64_t stride, const T* v, int64_
   for (int64_t j = 0; j < g; ++j) {
     const float pj = p[j * stride];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[j * d + i] += pj * widen(v[i]);
+    for (int64_t i = 0; i < d; ++i) acc[j * d + i] += pj * to_f(v[i]);
   }
 }
 
@@ -182,7 +177,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   const int64_t row = a.kv_heads * d;  // elements per cache slot
   for (int64_t j = 0; j < g; ++j) {
     const T* q = query + (token * a.kv_heads * g + h * g + j) * d;
-    for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = widen(q[i]) * a.scale;
+    for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = to_f(q[i]) * a.scale;
   }
   const int32_t* table = tables + s * a.table_width;
   auto slot_of = [&](int64_t p) -> int64_t {

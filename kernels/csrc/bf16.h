@@ -1,0 +1,38 @@
+// bf16 <-> float32 conversions that the compiler vectorises, shared by the CPU kernels.
+//
+// c10::BFloat16's own conversions kept loops scalar (a [2048, 640] RMSNorm took 1.1 ms
+// with them, 0.26 ms with these).
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace ringserve {
+
+// Widen: bf16 is the top half of a float32, so this is a shift of its bits.
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Narrow with round-to-nearest-even, as c10 does, without its NaN branch: callers pass
+// finite values.
+template <typename T>
+inline T from_f(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
+
+}  // namespace ringserve
