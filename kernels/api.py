@@ -131,7 +131,8 @@ def write_kv(
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; mutated.
         slot_mapping: [num_tokens] int32/int64 flat slot `block * block_size + offset`
             (for a ring: `table[(p // b) % R] * b + p % b`), or -1 to skip a token.
-        backend: "triton", "torch", or None (Triton on CUDA, torch elsewhere).
+        backend: "triton", "cpu", "torch", or None (Triton on CUDA, torch elsewhere: the
+            compiled CPU kernels are attention only, so "cpu" writes with torch).
     """
     check_write_args(key, value, key_cache, value_cache, slot_mapping)
     if pick_backend(backend, key) in ("torch", "cpu"):  # the CPU kernel is attention only
