@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM  # noqa: E402
-from engine.loader import load_tokenizer, resolve_model  # noqa: E402
+from engine.loading import load_tokenizer, resolve_model  # noqa: E402
 from engine.models import CausalLM  # noqa: E402
 from tests.model_harness import teacher_forced_logits  # noqa: E402
 

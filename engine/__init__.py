@@ -1,4 +1,4 @@
-"""The engine: sequences, scheduler, model runner, models, sampler, loader, engine loop."""
+"""The engine: sequences, scheduler, model runner, models, sampler, loading, engine loop."""
 
 # NOTE: OpenMP's wait policy is left to the runtime's default (spin a while, then sleep).
 # Measured on 2 cores, gemma-3-270m bf16, alone on the machine: passive waits made decode

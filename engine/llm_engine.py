@@ -18,8 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
-from engine.loader import load_hf_config, load_tokenizer, resolve_model
-from engine.model_loader import load_model
+from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampler import Sampler

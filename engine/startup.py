@@ -9,7 +9,7 @@ import torch
 from block_manager import KVCacheSpec, parse_size
 from engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from engine.errors import InvalidRequestError
-from engine.loader import parse_dtype
+from engine.loading import parse_dtype
 
 logger = logging.getLogger("ringserve.engine")
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import EngineDeadError, InvalidRequestError
 from engine.async_llm import QueueFullError
-from engine.loader import ModelLoadError
+from engine.loading import ModelLoadError
 from server.protocol import NEUTRAL_ONLY, UnsupportedFieldError
 
 logger = logging.getLogger("ringserve.server")

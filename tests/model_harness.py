@@ -13,7 +13,7 @@ import torch
 from block_manager import KVCacheManager
 from engine.forward_batch import ForwardBatch, GroupTables
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
-from engine.model_loader import load_model
+from engine.loading import load_model
 from engine.models import CausalLM
 
 

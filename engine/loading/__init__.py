@@ -1,0 +1,54 @@
+"""Loading a model, in the order it arrives: find, convert, quantize, build.
+
+Each file imports only the ones before it:
+
+    errors.py       ModelLoadError, UnsupportedModelError: what every step raises
+    find.py         presets, the cache folder, what a loadable HF folder must hold
+    convert.py      a preset or .gguf file -> a cached bfloat16 safetensors HF folder;
+                    `resolve_model`, which finds and (for presets and .gguf) converts
+    checkpoint.py   reading a folder: config, tokenizer, weights, dtype
+    gguf_blocks.py  the quantize step (being written), between reading and building
+    quantize.py
+    build.py        our `CausalLM`, built, filled with the weights and packed
+
+A caller resolves first, then builds:
+
+    resolved = resolve_model("gemma-3-270m")  # converted once, then read from the cache
+    model = load_model(resolved.path, dtype=parse_dtype("bf16"))
+"""
+
+from engine.loading.build import load_model
+from engine.loading.checkpoint import (
+    check_model_type,
+    iter_weights,
+    load_hf_config,
+    load_tokenizer,
+    parse_dtype,
+)
+from engine.loading.convert import CONVERT_VERSION, resolve_model
+from engine.loading.errors import ModelLoadError, UnsupportedModelError
+from engine.loading.find import (
+    Preset,
+    ResolvedModel,
+    check_files,
+    default_cache_dir,
+    load_presets,
+)
+
+__all__ = [
+    "CONVERT_VERSION",
+    "ModelLoadError",
+    "Preset",
+    "ResolvedModel",
+    "UnsupportedModelError",
+    "check_files",
+    "check_model_type",
+    "default_cache_dir",
+    "iter_weights",
+    "load_hf_config",
+    "load_model",
+    "load_presets",
+    "load_tokenizer",
+    "parse_dtype",
+    "resolve_model",
+]

@@ -1,0 +1,157 @@
+"""Read a checked local HF folder: config, tokenizer, safetensors weights, dtype.
+
+Every folder read here has passed `find.check_files` (a preset or `.gguf` file has been
+converted into one first, `convert.py`). Quantizing and building the model both read the
+weights through `iter_weights`. Every transformers call is local-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.loading.errors import ModelLoadError, UnsupportedModelError
+from engine.loading.find import no_config_error, weight_files
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of a folder's safetensors checkpoint, sharded or not.
+
+    Tensors come in their stored dtype, on the CPU, one file open at a time.
+
+    Args:
+        path: the model folder.
+
+    Returns:
+        An iterator of `(name, tensor)` pairs, names as stored (e.g. `model.embed_tokens.weight`).
+
+    Raises:
+        ModelLoadError: no safetensors files, or one tensor name stored twice.
+    """
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                if name in seen:
+                    raise ModelLoadError(f"tensor {name!r} is stored twice (again in {file.name})")
+                seen.add(name)
+                yield name, handle.get_tensor(name)
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
+    """Read a folder's config.json with transformers' AutoConfig, local files only.
+
+    Args:
+        path: the model folder.
+
+    Returns:
+        The model's `PretrainedConfig` subclass (e.g. `LlamaConfig`, `Gemma3TextConfig`).
+
+    Raises:
+        ModelLoadError: no or unreadable config.json.
+        UnsupportedModelError: a `model_type` that transformers itself does not know.
+    """
+    from transformers import AutoConfig
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise no_config_error(Path(path))
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {err}") from err
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError) as err:
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        raise UnsupportedModelError(
+            f"{config_file} has model_type {model_type!r}, which transformers cannot read: {err}"
+        ) from err
+    return config
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Load a folder's tokenizer (with its chat template, if any), local files only.
+
+    Args:
+        path: the model folder.
+
+    Returns:
+        The tokenizer transformers' AutoTokenizer picks for the folder.
+
+    Raises:
+        ModelLoadError: the tokenizer files are missing or unreadable.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {err}") from err
+    return tokenizer
+
+
+def check_model_type(config: PretrainedConfig, supported: Collection[str]) -> None:
+    """Refuse a config whose `model_type` has no implementation here.
+
+    Args:
+        config: the model's config (from `load_hf_config`).
+        supported: the model types we implement.
+
+    Raises:
+        UnsupportedModelError: naming the model type and listing the supported ones.
+    """
+    model_type = getattr(config, "model_type", None) or ""
+    if model_type not in supported:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(supported))}"
+        )
+
+
+def parse_dtype(name: str | torch.dtype, config: PretrainedConfig | None = None) -> torch.dtype:
+    """Turn a user's `dtype` into a torch dtype.
+
+    Args:
+        name: "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", "auto", or a torch dtype.
+        config: used by "auto": the checkpoint's own dtype (float32 when it names none).
+
+    Returns:
+        torch.float32, torch.bfloat16 or torch.float16.
+
+    Raises:
+        ValueError: naming the parameter `dtype` and the accepted values.
+    """
+    if isinstance(name, torch.dtype) and name in _DTYPES.values():
+        return name
+    key = name.lower() if isinstance(name, str) else str(name)
+    if key in _DTYPES:
+        return _DTYPES[key]
+    if key == "auto":
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, torch.dtype) and stored in _DTYPES.values():
+            return stored
+        if isinstance(stored, str):
+            return _DTYPES.get(stored.removeprefix("torch.").lower(), torch.float32)
+        return torch.float32
+    raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}; got {name!r}")
