@@ -1,0 +1,351 @@
+// y = x w^T + b for bf16 activations and a weight-only int8 or 4-bit weight (kernels/quant.py
+// defines the layout): the quantized decode step's GEMV, at memory speed.
+//
+// A decode step reads every weight once; with 1 byte (int8) or half a byte (4-bit) a value
+// instead of bf16's 2, it reads 2x or ~3.5x fewer bytes. Each chunk of a weight row is
+// loaded once, widened to bf16 in registers, and dotted with every x row by AVX512-BF16's dpbf16 (exact
+// products, float32 sums). A group's partial sums are multiplied by its scale once; 4-bit
+// mins are added as min * sum(x over the group), the sums precomputed once per call.
+// The 4-bit values become bf16 with two bit operations (see widen_int4): a decode step's
+// cost is the instructions spent per weight byte as much as the bytes themselves.
+// Weight rows are split over threads.
+//
+// `quant_dequantize` writes the bf16 weight, for steps with many rows (prefill), which
+// then run oneDNN's GEMM: there the arithmetic, not the weight read, is the cost.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "bf16.h"
+
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // x rows a pass; more rows run in passes of 8
+
+void check_layout(const at::Tensor& qweight, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                  int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "quant: qweight [n, k'] contiguous");
+  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "quant: qweight must be int8 (bits 8) or uint8 (bits 4)");
+  TORCH_CHECK(k % (bits == 8 ? 32 : 64) == 0 && group % 16 == 0 && k % group == 0 &&
+                  (bits == 8 || group % 32 == 0),
+              "quant: k a multiple of 32 (64 for 4 bits), group a multiple of 16 (32 for 4 "
+              "bits) dividing k");
+  TORCH_CHECK(qweight.size(1) == (bits == 8 ? k : k / 2), "quant: qweight width does not match k");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.size(0) == qweight.size(0) && scales.size(1) == k / group,
+              "quant: scales must be float16 [n, k / group]");
+  TORCH_CHECK(bits == 8 || (mins.has_value() && mins->scalar_type() == at::kHalf &&
+                            mins->is_contiguous() && mins->sizes() == scales.sizes()),
+              "quant: 4-bit weights need float16 mins shaped like scales");
+}
+
+#if defined(__AVX512BF16__)
+
+// 32 int8 values -> 32 bf16 (exact: |q| <= 128 has at most 8 significant bits).
+inline __m512bh widen_int8(const int8_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// 32 bytes of packed nibbles -> values 0-31 (low nibbles) and 32-63 (high) as bf16 of
+// 128 + q: in [128, 256) bf16 steps by 1, so 128 + q is the bits 0x4300 | q, one
+// vpternlog (and, or) per 32 values. The 128 * sum(x) this adds is taken off with the mins.
+constexpr float kInt4Offset = 128.f;
+inline void widen_int4(const uint8_t* p, __m512bh& lo, __m512bh& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+  // NOTE: 0xEA is (a & b) | c for vpternlog's operand order (a, b, c).
+  lo = (__m512bh)_mm512_ternarylogic_epi32(v, nibble, exponent, 0xEA);
+  hi = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, exponent, 0xEA);
+}
+
+// Values j..j+63 of a row (j a multiple of 64) as two bf16 vectors.
+template <int BITS>
+inline void widen64(const uint8_t* row, int64_t j, __m512bh& w0, __m512bh& w1) {
+  if constexpr (BITS == 8) {
+    w0 = widen_int8(reinterpret_cast<const int8_t*>(row) + j);
+    w1 = widen_int8(reinterpret_cast<const int8_t*>(row) + j + 32);
+  } else {
+    widen_int4(row + j / 2, w0, w1);
+  }
+}
+
+// n float16 values -> float32, 16 at a time (F16C through AVX-512's vcvtph2ps).
+inline void halves_to_floats(const c10::Half* src, int64_t n, float* dst) {
+  const auto* p = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, tail, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, p + i)));
+  }
+}
+
+// Weight rows [r0, r0 + R) of out [M, n] for x [M, k]; xsum [M, groups] (4-bit only);
+// sc, mn: scratch of `groups` floats each. R rows run side by side so that a step with one
+// or two x rows still has enough independent sums to hide dpbf16's latency.
+template <int M, int BITS, int R>
+inline void quant_block(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
+                        const c10::Half* mins, const float* xsum, const c10::BFloat16* bias,
+                        int64_t r0, int64_t k, int64_t group, int64_t n, float* sc, float* mn,
+                        c10::BFloat16* out) {
+  const int64_t groups = k / group;
+  const int64_t row_bytes = BITS == 8 ? k : k / 2;
+  const uint8_t* row[R];
+  // Two sets of sums alternate halves of a 64-value step, so consecutive FMAs do not wait
+  // on each other.
+  __m512 t0[R][M], t1[R][M];
+  for (int i = 0; i < R; ++i) {
+    row[i] = qw + (r0 + i) * row_bytes;
+    halves_to_floats(scales + (r0 + i) * groups, groups, sc + i * groups);
+    for (int m = 0; m < M; ++m) t0[i][m] = t1[i][m] = _mm512_setzero_ps();
+  }
+  if (group <= 32) {
+    // One scale per 32-value half, or (group 16, GGUF's Q6_K) two: lanes 0-7 and 8-15 of
+    // a dpbf16 hold values 0-15 and 16-31.
+    auto scale = [&](int i, int64_t j) {
+      const float* s = sc + i * groups;
+      return group == 16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[j / 16]),
+                                                _mm512_set1_ps(s[j / 16 + 1]))
+                         : _mm512_set1_ps(s[j / 32]);
+    };
+    int64_t j = 0;
+    for (; j + 64 <= k; j += 64) {
+      for (int i = 0; i < R; ++i) {
+        __m512bh w0, w1;
+        widen64<BITS>(row[i], j, w0, w1);
+        const __m512 s0 = scale(i, j), s1 = scale(i, j + 32);
+        for (int m = 0; m < M; ++m) {
+          const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + m * k + j);
+          const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + m * k + j + 32);
+          t0[i][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), s0, t0[i][m]);
+          t1[i][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), s1, t1[i][m]);
+        }
+      }
+    }
+    if (j < k) {  // int8 only: k % 64 == 32
+      for (int i = 0; i < R; ++i) {
+        const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row[i]) + j);
+        const __m512 s0 = scale(i, j);
+        for (int m = 0; m < M; ++m)
+          t0[i][m] = _mm512_fmadd_ps(
+              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + m * k + j), w0),
+              s0, t0[i][m]);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 p0[R][M], p1[R][M];
+      for (int i = 0; i < R; ++i)
+        for (int m = 0; m < M; ++m) p0[i][m] = p1[i][m] = _mm512_setzero_ps();
+      const int64_t j1 = (g + 1) * group;
+      int64_t j = g * group;
+      for (; j + 64 <= j1; j += 64) {
+        for (int i = 0; i < R; ++i) {
+          __m512bh w0, w1;
+          widen64<BITS>(row[i], j, w0, w1);
+          for (int m = 0; m < M; ++m) {
+            p0[i][m] = _mm512_dpbf16_ps(p0[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
+            p1[i][m] = _mm512_dpbf16_ps(p1[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j + 32), w1);
+          }
+        }
+      }
+      if (j < j1) {  // int8 only: group % 64 == 32
+        for (int i = 0; i < R; ++i) {
+          const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row[i]) + j);
+          for (int m = 0; m < M; ++m)
+            p0[i][m] = _mm512_dpbf16_ps(p0[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512 s = _mm512_set1_ps(sc[i * groups + g]);
+        for (int m = 0; m < M; ++m) {
+          if (g & 1)
+            t1[i][m] = _mm512_fmadd_ps(_mm512_add_ps(p0[i][m], p1[i][m]), s, t1[i][m]);
+          else
+            t0[i][m] = _mm512_fmadd_ps(_mm512_add_ps(p0[i][m], p1[i][m]), s, t0[i][m]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const int64_t r = r0 + i;
+    float shift[M] = {};
+    if constexpr (BITS == 4) {
+      // The mins, less the 128 * scale that widen_int4's offset added, times sum(x).
+      const float* s = sc + i * groups;
+      halves_to_floats(mins + r * groups, groups, mn);
+      for (int m = 0; m < M; ++m) {
+        const float* xs = xsum + m * groups;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t g = 0; g < groups; ++g) acc += (mn[g] - kInt4Offset * s[g]) * xs[g];
+        shift[m] = acc;
+      }
+    }
+    const float b = bias != nullptr ? ringserve::to_f(bias[r]) : 0.f;
+    for (int m = 0; m < M; ++m)
+      out[m * n + r] = ringserve::from_f<c10::BFloat16>(
+          _mm512_reduce_add_ps(_mm512_add_ps(t0[i][m], t1[i][m])) + shift[m] + b);
+  }
+}
+
+// Weight rows [n0, n1): blocks of R rows side by side (R = 4 for one x row, 2 for two,
+// 1 from three on, where the x rows give the independent sums), then the rest one by one.
+template <int M, int BITS>
+void quant_rows(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
+                const c10::Half* mins, const float* xsum, const c10::BFloat16* bias,
+                int64_t n0, int64_t n1, int64_t k, int64_t group, int64_t n,
+                c10::BFloat16* out) {
+  // NOTE: R > 1 (2 or 4 rows side by side for one x row) measured 1.5-2.5x slower here:
+  // the unrolled blocks spill. One row at a time, its two sums alternating, is faster.
+  constexpr int R = 1;
+  const int64_t groups = k / group;
+  std::vector<float> sc(static_cast<size_t>(R * groups) + 2), mn(static_cast<size_t>(groups));
+  int64_t r = n0;
+  for (; r + R <= n1; r += R)
+    quant_block<M, BITS, R>(x, qw, scales, mins, xsum, bias, r, k, group, n, sc.data(),
+                            mn.data(), out);
+  for (; r < n1; ++r)
+    quant_block<M, BITS, 1>(x, qw, scales, mins, xsum, bias, r, k, group, n, sc.data(),
+                            mn.data(), out);
+}
+
+template <int BITS>
+void run_pass(const uint16_t* x, int rows, const uint8_t* qw, const c10::Half* scales,
+              const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
+              int64_t group, int64_t n, c10::BFloat16* out) {
+  // NOTE: 16 weight rows a task at least: 10-20 KiB of weights for k = 640.
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+#define RS_CASE(R)                                                                         \
+  case R:                                                                                  \
+    quant_rows<R, BITS>(x, qw, scales, mins, xsum, bias, begin, end, k, group, n, out);   \
+    break;
+    switch (rows) {
+      RS_CASE(1) RS_CASE(2) RS_CASE(3) RS_CASE(4) RS_CASE(5) RS_CASE(6) RS_CASE(7)
+      default: quant_rows<8, BITS>(x, qw, scales, mins, xsum, bias, begin, end, k, group, n, out);
+    }
+#undef RS_CASE
+  });
+}
+#endif  // __AVX512BF16__
+
+// x: [m, k] bf16; the weight in the kernels/quant.py layout; bias [n] bf16 or None.
+// Returns [m, n] bf16. Where this build has no AVX512-BF16, it raises: callers check
+// `quant_linear_supported()` first.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "quant_linear: x must be bf16 [m, k]");
+  const int64_t k = x.size(1), n = qweight.size(0), rows = x.size(0);
+  check_layout(qweight, scales, mins, bits, group, k);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
+              "quant_linear: bias must be bf16 [n]");
+#if defined(__AVX512BF16__)
+  const at::Tensor xc = x.contiguous();
+  const std::optional<at::Tensor> bc =
+      bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  auto out = at::empty({rows, n}, x.options());
+  const int64_t groups = k / group;
+  std::vector<float> xsum;
+  if (bits == 4) {  // sum of each x row over each group, for the mins
+    xsum.assign(static_cast<size_t>(rows * groups), 0.f);
+    const auto* xp = xc.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.f;
+        for (int64_t j = g * group; j < (g + 1) * group; ++j) s += ringserve::to_f(xp[m * k + j]);
+        xsum[m * groups + g] = s;
+      }
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* sp = scales.data_ptr<c10::Half>();
+  const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
+  const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    const int pass = static_cast<int>(std::min(kMaxRows, rows - m0));
+    const float* xs = bits == 4 ? xsum.data() + m0 * groups : nullptr;
+    if (bits == 8)
+      run_pass<8>(xp + m0 * k, pass, qp, sp, mp, xs, bp, k, group, n, op + m0 * n);
+    else
+      run_pass<4>(xp + m0 * k, pass, qp, sp, mp, xs, bp, k, group, n, op + m0 * n);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "quant_linear: this build has no AVX512-BF16");
+#endif
+}
+
+// The full weight [n, k] in bf16 (q * scale (+ min), in float32, rounded once).
+at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
+  const int64_t n = qweight.size(0), k = bits == 8 ? qweight.size(1) : qweight.size(1) * 2;
+  check_layout(qweight, scales, mins, bits, group, k);
+  auto out = at::empty({n, k}, qweight.options().dtype(at::kBFloat16));
+  const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* sp = scales.data_ptr<c10::Half>();
+  const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t groups = k / group;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      c10::BFloat16* o = op + r * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = static_cast<float>(sp[r * groups + g]);
+        const float mn = mp != nullptr ? static_cast<float>(mp[r * groups + g]) : 0.f;
+        for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+          float q;
+          if (bits == 8) {
+            q = static_cast<float>(reinterpret_cast<const int8_t*>(qp)[r * k + j]);
+          } else {
+            const uint8_t byte = qp[r * (k / 2) + (j / 64) * 32 + (j % 32)];
+            q = static_cast<float>((j % 64) < 32 ? (byte & 0x0F) : (byte >> 4));
+          }
+          o[j] = ringserve::from_f<c10::BFloat16>(q * s + mn);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool quant_linear_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ringserve, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+        "int group, Tensor? bias) -> Tensor");
+  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group) "
+        "-> Tensor");
+  m.def("quant_linear_supported() -> bool", &quant_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(ringserve, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -1,0 +1,141 @@
+"""Weight-only quantized linear weights: the layout, quantizers, and the reference matmul.
+
+The one layout every quantized weight takes, whatever made it (our int8/int4 quantizers
+here, or GGUF blocks repacked by `engine.loading.gguf_blocks`), and that the compiled CPU
+kernel (`kernels/csrc/quant_gemm.cpp`) reads:
+
+    weight [n, k] is cut along k into groups of `group` values (group divides k);
+    bits = 8: qweight int8  [n, k],       w[r, j] = q[r, j] * scale[r, j // group]
+    bits = 4: qweight uint8 [n, k // 2], q in 0..15,
+              w[r, j] = q[r, j] * scale[r, j // group] + min[r, j // group],
+              packed 64 values to 32 bytes: for the chunk of 64 values starting at
+              j0 = 64 c, byte 32 c + i holds value j0 + i in its low nibble and value
+              j0 + 32 + i in its high nibble (i = 0..31).
+    scales, mins: float16 [n, k // group] (mins only for bits = 4).
+
+Constraints: k % 32 == 0 (k % 64 == 0 for bits 4); group in {16, 32, 64, ...} dividing k,
+a multiple of 32 for bits 4 (16 exists for GGUF's Q6_K, whose 16-value sub-blocks have their
+own scales);
+group == k is "per output channel". The 4-bit packing puts a chunk's two halves in the low
+and high nibbles of the same 32 bytes so that one load, one widening and two bit
+operations give the kernel 64 values (`kernels/csrc/quant_gemm.cpp`).
+
+Activations stay in the model's dtype. The decode kernel multiplies them by the integer
+values exactly and applies scales and mins in float32 (no rounding of the weight); steps with
+many rows multiply by `dequantize`'s weight rounded to the activations' dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_CHUNK = 64  # values per 32-byte packing chunk for bits = 4
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear weight [n, k] in the layout above."""
+
+    bits: int
+    group: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group <= 0 or k % self.group or self.group % 16:
+            raise ValueError(f"group {self.group} must be a multiple of 16 dividing k={k}")
+        if self.bits == 8 and self.qweight.dtype != torch.int8:
+            raise ValueError("bits=8 needs an int8 qweight [n, k]")
+        if self.bits == 4:
+            if self.qweight.dtype != torch.uint8 or k % INT4_CHUNK or self.group % 32:
+                raise ValueError("bits=4 needs a uint8 qweight [n, k/2], k a multiple of 64 "
+                                 "and group of 32")
+            if self.mins is None or self.mins.shape != self.scales.shape:
+                raise ValueError("bits=4 needs mins shaped like scales")
+        if self.scales.shape != (n, k // self.group) or self.scales.dtype != torch.float16:
+            raise ValueError(f"scales must be float16 [{n}, {k // self.group}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The [n, k] of the full-precision weight."""
+        n, width = self.qweight.shape
+        return n, width * 2 if self.bits == 4 else width
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads: packed values, scales and mins."""
+        extra = self.mins.nbytes if self.mins is not None else 0
+        return self.qweight.nbytes + self.scales.nbytes + extra
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of only the rows ``index`` (an embedding lookup of quantized rows)."""
+        mins = self.mins[index] if self.mins is not None else None
+        return QuantizedWeight(self.bits, self.group, self.qweight[index], self.scales[index], mins)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k/2] in the 32-byte chunk packing -> uint8 values 0..15 [n, k]."""
+    n, half = packed.shape
+    chunks = packed.view(n, half // 32, 32)
+    low, high = chunks & 0x0F, chunks >> 4
+    return torch.cat([low, high], dim=-1).reshape(n, half * 2)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [n, k] (k % 64 == 0) -> uint8 [n, k/2] in the chunk packing."""
+    n, k = values.shape
+    chunks = values.to(torch.uint8).view(n, k // INT4_CHUNK, INT4_CHUNK)
+    return (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(n, k // 2)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full weight [n, k] in ``dtype``, computed in float32 and rounded once."""
+    n, k = qw.shape
+    values = unpack_int4(qw.qweight) if qw.bits == 4 else qw.qweight
+    grouped = values.float().view(n, k // qw.group, qw.group)
+    weight = grouped * qw.scales.float().unsqueeze(-1)
+    if qw.mins is not None:
+        weight = weight + qw.mins.float().unsqueeze(-1)
+    return weight.view(n, k).to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWeight:
+    """Symmetric int8, per output channel (``group`` None) or per group of ``group`` values.
+
+    The scale is rounded to float16 first and the values quantized against the rounded
+    scale, so `dequantize` reproduces exactly what was rounded.
+    """
+    n, k = weight.shape
+    group = k if group is None else group
+    grouped = weight.detach().float().reshape(n, k // group, group)
+    scales = (grouped.abs().amax(-1) / 127.0).clamp(min=1e-6).to(torch.float16)
+    q = torch.round(grouped / scales.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, group, q.reshape(n, k).contiguous(), scales.contiguous())
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
+    """Asymmetric 4-bit per group of ``group`` values: q in 0..15, w = q * scale + min."""
+    n, k = weight.shape
+    grouped = weight.detach().float().reshape(n, k // group, group)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scales = ((high - low) / 15.0).clamp(min=1e-6).to(torch.float16)
+    mins = low.to(torch.float16)
+    steps = (grouped - mins.float().unsqueeze(-1)) / scales.float().unsqueeze(-1)
+    q = torch.round(steps).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight(4, group, pack_int4(q), scales.contiguous(), mins.contiguous())
+
+
+def quant_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """``x @ dequantize(qw).T`` in float64: what every quantized kernel is checked against.
+
+    The weight is the float32 `dequantize` (exact for int8 and for 4-bit values times a
+    float16 scale; one float32 rounding where a min is added), widened to float64.
+    """
+    weight = dequantize(qw).double()
+    return x.double() @ weight.T
