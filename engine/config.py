@@ -17,6 +17,8 @@ class EngineConfig:
     Args:
         model: a preset name, an HF folder or a .gguf file.
         dtype: "auto", "float32", "bfloat16" or "float16".
+        quantization: "auto", "none", "int8", "int4" or "gguf" (weight-only; see
+            `engine.loading.quantize`).
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pools ("2GiB"); None = the device default (CPU:
@@ -33,6 +35,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None

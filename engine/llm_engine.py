@@ -19,6 +19,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
 from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
+from engine.loading.quantize import pick_quantization, weight_bytes
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampler import Sampler
@@ -48,8 +49,13 @@ class LLMEngine:
         if self.device.type == "cpu":
             cpu_build.available()  # build the CPU kernels now, not at the first request
         self.tokenizer = load_tokenizer(resolved.path)
+        self.quantization, why = pick_quantization(config.quantization, folder=resolved.path,
+                                                   device=self.device, dtype=self.dtype)
+        logger.info("quantization %s (%s)", self.quantization, why)
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
-                                hf_config=hf_config)
+                                hf_config=hf_config, quantization=self.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("%s", self.weight_bytes.describe())
         mcfg = self.model.config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
@@ -240,6 +246,8 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "max_concurrent_sequences": self.capacity.max_sequences,
+            "weight_bytes": self.weight_bytes.resident,
+            "decode_weight_bytes_per_token": self.weight_bytes.per_token,
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
             "requests_rejected": self.counters["requests_rejected"],

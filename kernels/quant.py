@@ -90,6 +90,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [n, k] (k % 64 == 0) -> uint8 [n, k/2] in the chunk packing."""
     n, k = values.shape
+    if k % INT4_CHUNK:
+        raise ValueError(f"4-bit packing needs k a multiple of 64, got k={k}")
     chunks = values.to(torch.uint8).view(n, k // INT4_CHUNK, INT4_CHUNK)
     return (chunks[..., :32] | (chunks[..., 32:] << 4)).reshape(n, k // 2)
 
@@ -113,6 +115,8 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWe
     """
     n, k = weight.shape
     group = k if group is None else group
+    if k % group:
+        raise ValueError(f"group {group} must divide k={k}")
     grouped = weight.detach().float().reshape(n, k // group, group)
     scales = (grouped.abs().amax(-1) / 127.0).clamp(min=1e-6).to(torch.float16)
     q = torch.round(grouped / scales.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
@@ -122,6 +126,8 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWe
 def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
     """Asymmetric 4-bit per group of ``group`` values: q in 0..15, w = q * scale + min."""
     n, k = weight.shape
+    if k % INT4_CHUNK or k % group:
+        raise ValueError(f"4-bit needs k a multiple of 64 and of group {group}, got k={k}")
     grouped = weight.detach().float().reshape(n, k // group, group)
     low, high = grouped.amin(-1), grouped.amax(-1)
     scales = ((high - low) / 15.0).clamp(min=1e-6).to(torch.float16)

@@ -22,6 +22,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("host", str, "address to bind (default 127.0.0.1: this machine only)"),
     ("port", int, "port to bind"),
     ("dtype", str, "auto, float32, bfloat16 or float16"),
+    ("quantization", str, "weights: auto, none, int8, int4 or gguf"),
     ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),
     ("block-size", int, "tokens per KV block"),
     ("kv-cache-memory", str, "bytes for the KV pools, e.g. 2GiB"),

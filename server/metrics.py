@@ -31,6 +31,9 @@ GAUGES = {
     "num_requests_running": "Sequences running.",
     "num_requests_waiting": "Sequences waiting for admission.",
     "max_concurrent_sequences": "Sequences the pools hold at once (capacity).",
+    "weight_bytes": "Bytes the model's weights take in memory (quantized where quantized).",
+    "decode_weight_bytes_per_token": "Weight bytes one decode step reads (its floor is "
+    "this over the memory bandwidth).",
 }
 COUNTERS = {
     "ring_block_recycles": "KV blocks reused in place by a ring.",

@@ -26,6 +26,7 @@ class ServeArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None
@@ -40,7 +41,8 @@ class ServeArgs:
     cache_dir: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return dict(model=self.model, dtype=self.dtype, device=self.device,
+        return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
+                    device=self.device,
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,

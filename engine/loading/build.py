@@ -7,12 +7,14 @@ read through `checkpoint.py`; here our `CausalLM` is built, filled and packed fo
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.kv_cache import model_layer_groups
 from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
+from engine.loading.quantize import quantize_model
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
 from engine.models.packed_linear import can_pack, fuse_projections, pack_linears
 
@@ -24,6 +26,7 @@ def load_model(
     device: torch.device | str = "cpu",
     hf_config: Any | None = None,
     pack: bool = True,
+    quantization: str = "none",
 ) -> CausalLM:
     """Our `CausalLM` for the checkpoint in ``path``, weights loaded, in eval mode.
 
@@ -34,6 +37,8 @@ def load_model(
         hf_config: the folder's transformers config, if already loaded.
         pack: reorder linear weights once for oneDNN where that is the faster path
             (`engine.models.packed_linear.can_pack`).
+        quantization: a method `quantize.pick_quantization` returned: "none", "int8",
+            "int4" or "gguf" (the folder's repacked GGUF blocks).
 
     Raises:
         UnsupportedModelError: the model_type is not implemented (named in the message).
@@ -49,7 +54,14 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(iter_weights(path))
-    if pack and can_pack(dtype, torch.device(device)):
+    # NOTE: float weights are fused before they are quantized; GGUF blocks arrive one
+    # tensor at a time and are fused by `quantize_model` where their block types agree.
+    fuse = quantization in ("int8", "int4") or (
+        quantization == "none" and pack and can_pack(dtype, torch.device(device)))
+    if fuse:
         fuse_projections(model)
+    quantize_model(model, quantization, Path(path))
+    if pack and can_pack(dtype, torch.device(device)):
+        fuse_projections(model)  # what the quantize step left in float, if anything
         pack_linears(model)
     return model.eval()

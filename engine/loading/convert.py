@@ -7,7 +7,9 @@ local folder, converting presets and GGUF files once into the cache folder
 
 transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
 tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
-plain safetensors in seconds instead of converting for a minute.
+plain safetensors in seconds instead of converting for a minute. Beside it goes the file's
+own quantized blocks, repacked into our layout (`gguf_blocks.BLOCKS_FILE`), which
+`--quantization gguf` (the default for these models on a CPU) serves.
 
 Cache layout, under the cache dir:
 
@@ -40,6 +42,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.loading import gguf_blocks
 from engine.loading.errors import ModelLoadError
 from engine.loading.find import (
     Preset,
@@ -52,7 +55,7 @@ from engine.loading.find import (
 
 logger = logging.getLogger(__name__)
 
-CONVERT_VERSION = 1  # bump when the conversion changes, so that old cache folders are not reused
+CONVERT_VERSION = 2  # bump when the conversion changes, so that old cache folders are not reused
 GGUF_INSTALL = "pip install gguf accelerate"
 _SAMPLE_BYTES = 1 << 20  # the identity of a .gguf hashes its first and last MiB and its size
 _SOURCE_FILE = "ringserve-source.json"  # provenance, written into every converted folder
@@ -226,6 +229,9 @@ def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: s
             gguf = source(tmp)
             out = tmp / "hf"
             convert_gguf(gguf, out, label=label)
+            # The file's own quantized blocks, repacked for `--quantization gguf`.
+            saved = gguf_blocks.save_blocks(gguf, out)
+            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
             seconds = time.monotonic() - started
             provenance = {"source": str(gguf), "label": label, "seconds": round(seconds, 1)}
             (out / _SOURCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")

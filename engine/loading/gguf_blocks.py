@@ -38,8 +38,10 @@ since blocks run along k).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -320,3 +322,68 @@ def _read_one(
     if llama and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         raw = raw[_llama_rope_rows(reader, tensor.name, n)]
     return repack(tensor.tensor_type, raw, (n, k))
+
+
+# -- the blocks file a conversion leaves beside the bf16 weights --------------------------
+
+BLOCKS_FILE = "gguf-blocks.safetensors"
+
+
+def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str]) -> int:
+    """Repack the GGUF's 2-D weights named in ``folder``'s safetensors into `BLOCKS_FILE`.
+
+    The names are those of the converted folder (transformers' names for the same file),
+    so that `load_blocks` answers by the names the model loads. Tensors in block types
+    without a layout here are left out.
+
+    Returns:
+        The number of weights saved (tied ones once).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    names: list[str] = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            names += [n for n in handle.keys()  # noqa: SIM118 (a safe_open handle)
+                      if len(handle.get_slice(n).get_shape()) == 2]  # fmt: skip
+    if "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
+        names.append("lm_head.weight")  # tied: the head reads the embedding's blocks
+    weights = read_linears(gguf_file, names)
+    tensors: dict[str, torch.Tensor] = {}
+    kept: dict[int, str] = {}
+    for name in sorted(weights):
+        qw = weights[name]
+        if id(qw) in kept:  # a tied name: stored once, under the first name
+            continue
+        kept[id(qw)] = name
+        tensors[f"{name}.qweight"] = qw.qweight.contiguous()
+        tensors[f"{name}.scales"] = qw.scales.contiguous()
+        if qw.mins is not None:
+            tensors[f"{name}.mins"] = qw.mins.contiguous()
+    ties = {name: kept[id(qw)] for name, qw in weights.items() if kept[id(qw)] != name}
+    save_file(tensors, str(Path(folder) / BLOCKS_FILE), metadata={"ties": json.dumps(ties)})
+    return len(kept)
+
+
+def load_blocks(folder: str | os.PathLike[str]) -> dict[str, QuantizedWeight]:
+    """The weights `save_blocks` wrote, by Hugging Face name (tied names: one object)."""
+    from safetensors import safe_open
+
+    path = Path(folder) / BLOCKS_FILE
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        ties: dict[str, str] = json.loads((handle.metadata() or {}).get("ties", "{}"))
+    weights: dict[str, QuantizedWeight] = {}
+    for key, qweight in tensors.items():
+        if not key.endswith(".qweight"):
+            continue
+        name = key.removesuffix(".qweight")
+        bits = 8 if qweight.dtype == torch.int8 else 4
+        scales = tensors[f"{name}.scales"]
+        k = qweight.shape[1] * (2 if bits == 4 else 1)
+        weights[name] = QuantizedWeight(bits, k // scales.shape[1], qweight, scales,
+                                        tensors.get(f"{name}.mins"))
+    for name, target in ties.items():
+        weights[name] = weights[target]
+    return weights

@@ -98,13 +98,17 @@ def fuse_projections(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Attention) and not module.fused:
-            module.qkv_proj = _concat([module.q_proj, module.k_proj, module.v_proj])
-            del module.q_proj, module.k_proj, module.v_proj
+            names, target = ["q_proj", "k_proj", "v_proj"], "qkv_proj"
         elif isinstance(module, MLP) and not module.fused:
-            module.gate_up_proj = _concat([module.gate_proj, module.up_proj])
-            del module.gate_proj, module.up_proj
+            names, target = ["gate_proj", "up_proj"], "gate_up_proj"
         else:
             continue
+        parts = [getattr(module, name) for name in names]
+        if any(type(part) is not nn.Linear for part in parts):
+            continue  # some already quantized (engine.models.quant_linear fuses those)
+        setattr(module, target, _concat(parts))
+        for name in names:
+            delattr(module, name)
         module.fused = True
         count += 1
     return count

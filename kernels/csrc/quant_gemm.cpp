@@ -227,21 +227,34 @@ void quant_rows(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
                             mn.data(), out);
 }
 
+// All x rows against weight rows split over threads; x rows in passes of up to 8, inside
+// each thread's block of weight rows, so a block read from memory serves every pass from
+// cache.
 template <int BITS>
-void run_pass(const uint16_t* x, int rows, const uint8_t* qw, const c10::Half* scales,
+void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
               const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
               int64_t group, int64_t n, c10::BFloat16* out) {
+  const int64_t groups = k / group;
   // NOTE: 16 weight rows a task at least: 10-20 KiB of weights for k = 640.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-#define RS_CASE(R)                                                                         \
-  case R:                                                                                  \
-    quant_rows<R, BITS>(x, qw, scales, mins, xsum, bias, begin, end, k, group, n, out);   \
+    // NOTE: blocks of 64 weight rows (<= 64 KiB at k = 1024) stay in L2 across passes.
+    for (int64_t b0 = begin; b0 < end; b0 += 64) {
+      const int64_t b1 = std::min(end, b0 + 64);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        const uint16_t* xp = x + m0 * k;
+        const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
+        c10::BFloat16* op = out + m0 * n;
+#define RS_CASE(R)                                                                 \
+  case R:                                                                          \
+    quant_rows<R, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k, group, n, op);  \
     break;
-    switch (rows) {
-      RS_CASE(1) RS_CASE(2) RS_CASE(3) RS_CASE(4) RS_CASE(5) RS_CASE(6) RS_CASE(7)
-      default: quant_rows<8, BITS>(x, qw, scales, mins, xsum, bias, begin, end, k, group, n, out);
-    }
+        switch (std::min(kMaxRows, rows - m0)) {
+          RS_CASE(1) RS_CASE(2) RS_CASE(3) RS_CASE(4) RS_CASE(5) RS_CASE(6) RS_CASE(7)
+          default: quant_rows<8, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k, group, n, op);
+        }
 #undef RS_CASE
+      }
+    }
   });
 }
 #endif  // __AVX512BF16__
@@ -280,14 +293,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
   const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    const int pass = static_cast<int>(std::min(kMaxRows, rows - m0));
-    const float* xs = bits == 4 ? xsum.data() + m0 * groups : nullptr;
-    if (bits == 8)
-      run_pass<8>(xp + m0 * k, pass, qp, sp, mp, xs, bp, k, group, n, op + m0 * n);
-    else
-      run_pass<4>(xp + m0 * k, pass, qp, sp, mp, xs, bp, k, group, n, op + m0 * n);
-  }
+  if (bits == 8)
+    run_rows<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
+  else
+    run_rows<4>(xp, rows, qp, sp, mp, xsum.data(), bp, k, group, n, op);
   return out;
 #else
   TORCH_CHECK(false, "quant_linear: this build has no AVX512-BF16");
@@ -305,21 +314,32 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t groups = k / group;
+  // NOTE: simple loops over runs of one scale, so that the compiler vectorises them.
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       c10::BFloat16* o = op + r * k;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = static_cast<float>(sp[r * groups + g]);
-        const float mn = mp != nullptr ? static_cast<float>(mp[r * groups + g]) : 0.f;
-        for (int64_t j = g * group; j < (g + 1) * group; ++j) {
-          float q;
-          if (bits == 8) {
-            q = static_cast<float>(reinterpret_cast<const int8_t*>(qp)[r * k + j]);
-          } else {
-            const uint8_t byte = qp[r * (k / 2) + (j / 64) * 32 + (j % 32)];
-            q = static_cast<float>((j % 64) < 32 ? (byte & 0x0F) : (byte >> 4));
-          }
-          o[j] = ringserve::from_f<c10::BFloat16>(q * s + mn);
+      const c10::Half* rs = sp + r * groups;
+      if (bits == 8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(qp) + r * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = static_cast<float>(rs[g]);
+#pragma omp simd
+          for (int64_t j = g * group; j < (g + 1) * group; ++j)
+            o[j] = ringserve::from_f<c10::BFloat16>(static_cast<float>(q[j]) * s);
+        }
+        continue;
+      }
+      const uint8_t* q = qp + r * (k / 2);
+      const c10::Half* rm = mp + r * groups;
+      for (int64_t j0 = 0; j0 < k; j0 += 64) {  // a chunk: 32 bytes, two halves of 32 values
+        const uint8_t* b = q + j0 / 2;
+        const float s0 = static_cast<float>(rs[j0 / group]), m0 = static_cast<float>(rm[j0 / group]);
+        const float s1 = static_cast<float>(rs[(j0 + 32) / group]);
+        const float m1 = static_cast<float>(rm[(j0 + 32) / group]);
+#pragma omp simd
+        for (int i = 0; i < 32; ++i) {
+          o[j0 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] & 0x0F) * s0 + m0);
+          o[j0 + 32 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] >> 4) * s1 + m1);
         }
       }
     }

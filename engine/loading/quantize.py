@@ -1,0 +1,173 @@
+"""The quantize step: weight-only int8 / 4-bit linears, or a GGUF file's own blocks.
+
+Methods (`--quantization`, `LLM(quantization=...)`):
+
+    none   every weight in the model's dtype
+    int8   symmetric int8 per output channel, every linear and the output head
+    int4   4-bit per group of `INT4_GROUP` values with a scale and a min, every linear and
+           the output head
+    gguf   the blocks of the GGUF file the model came from, repacked at conversion
+           (`gguf_blocks.py`; Q8_0/Q5_0/Q6_K as int8 groups, Q4_0/Q4_1/Q4_K as 4-bit
+           groups); tensors the file stores in other block types stay in the model's dtype
+    auto   gguf for a model converted from a GGUF file on a CPU that runs the quantized
+           kernel in bf16 (what the user installed is what runs); none elsewhere
+
+A tied output head and its embedding share one quantized table; the lookup widens only the
+rows it reads. Quantized weights run on the CPU: on CUDA every method but none is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import InvalidRequestError
+from engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
+from engine.models.packed_linear import PackedLinear
+from engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
+from kernels import cpu_build
+from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+
+logger = logging.getLogger("ringserve.engine")
+
+METHODS = ("auto", "none", "int8", "int4", "gguf")
+# NOTE: 32 values a group, as llama.cpp's 4-bit blocks; benchmarks/accuracy.py measured
+# the choice on gemma-3-270m (see the README's quantization table).
+INT4_GROUP = 32
+
+
+def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
+                      dtype: torch.dtype) -> tuple[str, str]:
+    """The method to run and, for the start-up log, why.
+
+    Raises:
+        InvalidRequestError: an unknown method, gguf for a model with no GGUF blocks, or a
+            quantized method on CUDA; naming the parameter ``quantization``.
+    """
+    name = (name or "auto").lower()
+    if name not in METHODS:
+        raise InvalidRequestError(f"quantization must be one of {', '.join(METHODS)}; got "
+                                  f"{name!r}", param="quantization")  # fmt: skip
+    has_blocks = (folder / BLOCKS_FILE).is_file()
+    if name == "auto":
+        if not has_blocks:
+            return "none", "auto: not a GGUF model"
+        if device.type != "cpu":
+            return "none", "auto: quantized weights run on the CPU only"
+        if dtype != torch.bfloat16 or not _kernel_ready():
+            return "none", ("auto: the quantized kernel needs bfloat16 activations and a CPU "
+                            "with AVX512-BF16")  # fmt: skip
+        return "gguf", "auto: the GGUF file's own blocks"
+    if name != "none" and device.type != "cpu":
+        raise InvalidRequestError(
+            f"quantization {name!r} runs on the CPU only; on {device.type} serve "
+            "quantization='none' (bfloat16 or float16 weights)", param="quantization")
+    if name == "gguf" and not has_blocks:
+        raise InvalidRequestError(
+            "quantization 'gguf' needs a model converted from a .gguf file or a preset; "
+            f"{folder} has no {BLOCKS_FILE}", param="quantization")
+    return name, "asked for"
+
+
+def _kernel_ready() -> bool:
+    return cpu_build.available() and bool(torch.ops.ringserve.quant_linear_supported())
+
+
+def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
+    """Replace the model's linears (and a tied embedding) by quantized ones, in place.
+
+    Runs after the weights are loaded and q/k/v and gate/up are fused, before the
+    remaining float linears are packed. ``method`` is what `pick_quantization` returned.
+    """
+    if method == "none":
+        return
+    if method == "gguf":
+        blocks = load_blocks(folder)
+        replaced = _replace(model, lambda name, _linear: blocks.get(name))
+        fuse_quantized(model)
+        missing = sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
+        if missing:
+            logger.info("gguf: %d linears stored in block types with no layout here stay "
+                        "in the model's dtype: %s", len(missing), ", ".join(missing[:4]))
+    else:
+        def make(_name: str, linear: nn.Linear) -> QuantizedWeight | None:
+            return _quantize(linear.weight, method)
+
+        replaced = _replace(model, make)
+    logger.info("quantization %s: %d linears quantized", method, replaced)
+
+
+def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
+    k = weight.shape[1]
+    if method == "int8" and k % 32 == 0:
+        return quantize_int8(weight)
+    if method == "int4" and k % 64 == 0 and k % INT4_GROUP == 0:
+        return quantize_int4(weight, INT4_GROUP)
+    return None  # a width the kernel does not read: the layer stays in the model's dtype
+
+
+def _replace(model: nn.Module, make: object) -> int:
+    """Swap every `nn.Linear` for which ``make(weight name, linear)`` gives a weight."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)
+            and head.weight is embed.weight)  # fmt: skip
+    targets = [(parent, child_name, child, f"{prefix}.{child_name}".lstrip("."))
+               for prefix, parent in model.named_modules()
+               for child_name, child in parent.named_children()
+               if type(child) is nn.Linear]  # fmt: skip
+    count = 0
+    for parent, child_name, child, path in targets:
+        qw = make(f"{path}.weight", child)  # type: ignore[operator]
+        if qw is None:
+            continue
+        if qw.shape != tuple(child.weight.shape):
+            raise ValueError(f"{path}: quantized weight {qw.shape} does not match "
+                             f"{tuple(child.weight.shape)}")  # fmt: skip
+        layer = QuantLinear(qw, child.bias)
+        setattr(parent, child_name, layer)
+        count += 1
+        if tied and child is head:
+            model.model.embed_tokens = QuantEmbedding(layer, embed.weight.dtype)  # type: ignore[union-attr,operator]
+    return count
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """What the weights cost: held in memory, and read by one decode step."""
+
+    resident: int
+    per_token: int
+
+    def describe(self) -> str:
+        return (f"weights {self.resident / 2**20:.1f} MiB; a decode step reads "
+                f"{self.per_token / 2**20:.1f} MiB of them")  # fmt: skip
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """Bytes of every parameter and buffer (shared ones once), and those a decode step reads:
+    all but an embedding table that is only looked up, and one of a `PackedLinear`'s two
+    copies (the decode path reads the plain one)."""
+    seen: set[int] = set()
+    resident = per_token = 0
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    lookup_only = (embed.weight if isinstance(embed, nn.Embedding) and not
+                   (isinstance(head, nn.Linear) and head.weight is embed.weight) else None)
+    for module in model.modules():
+        skip = module.packed if isinstance(module, PackedLinear) else None
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            size = tensor.numel() * tensor.element_size()
+            resident += size
+            if tensor is not lookup_only and tensor is not skip:
+                per_token += size
+    return WeightBytes(resident, per_token)
+
+

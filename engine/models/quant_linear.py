@@ -1,0 +1,177 @@
+"""Linear layers and embedding lookups over weight-only quantized weights (`kernels/quant.py`).
+
+A decode step reads every weight once, so its floor is the weight bytes over the memory
+bandwidth: int8 halves bf16's bytes and 4-bit nearly quarters them. Activations stay in
+the model's dtype.
+
+Paths, by what the step is and what the machine has:
+- bf16 activations, a few rows (decode), compiled CPU kernels: `quant_linear`
+  (`kernels/csrc/quant_gemm.cpp`) reads the packed weight once and widens it in registers.
+- many rows (prefill): the weight is widened to the activations' dtype once per call and
+  the dense GEMM runs; there arithmetic, not the weight read, is the cost.
+- elsewhere (float32 activations, no compiled kernels): int8 per channel runs torch's own
+  `_weight_int8pack_mm`; other layouts widen the weight per call (correct, slow: the start-up
+  log says so).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import MLP, Attention
+from kernels import cpu_quant
+from kernels.quant import QuantizedWeight, dequantize
+
+logger = logging.getLogger("ringserve.engine")
+
+# NOTE: steps of at most this many rows take the GEMV kernel; more rows widen the weight
+# and run the dense GEMM. Measured on gemma-3-270m's shapes (benchmarks/quant_bench.py):
+# the kernel costs ~linear in rows past 8, the widened GEMM is flat until ~64 rows.
+KERNEL_ROWS = 16
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear` over a `QuantizedWeight` (plus an optional bias in the model's dtype).
+
+    Args:
+        qw: the weight.
+        bias: the bias, or None.
+    """
+
+    qweight: torch.Tensor
+    scale_bits: torch.Tensor
+    min_bits: torch.Tensor | None
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qw.shape
+        self.bits, self.group = qw.bits, qw.group
+        # NOTE: float16 scales and mins are kept as their int16 bits, so that a
+        # `model.to(dtype)` (which casts every floating buffer) cannot round them.
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scale_bits", qw.scales.view(torch.int16))
+        self.register_buffer("min_bits", None if qw.mins is None else qw.mins.view(torch.int16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernel = cpu_quant.supports(qw)
+        self._int8_scales: torch.Tensor | None = None
+
+    @property
+    def qw(self) -> QuantizedWeight:
+        """The weight, as the layout object."""
+        mins = None if self.min_bits is None else self.min_bits.view(torch.float16)
+        return QuantizedWeight(self.bits, self.group, self.qweight,
+                               self.scale_bits.view(torch.float16), mins)
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The full weight [n, k] in ``dtype``."""
+        if dtype == torch.bfloat16 and self.kernel:
+            return cpu_quant.dequantize_bf16(self.qw)
+        return dequantize(self.qw, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if self.kernel and flat.dtype == torch.bfloat16 and rows <= KERNEL_ROWS:
+            out = cpu_quant.quant_linear(flat, self.qw, self.bias)
+        elif (rows <= KERNEL_ROWS and self.bits == 8 and self.group == self.in_features
+              and self.bias is None and flat.device.type == "cpu"):  # fmt: skip
+            out = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self._scales_as(flat))
+        else:
+            out = F.linear(flat, self.weight_as(flat.dtype), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _scales_as(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel scales in the activations' dtype, as `_weight_int8pack_mm` takes them."""
+        if self._int8_scales is None or self._int8_scales.dtype != x.dtype:
+            self._int8_scales = self.scale_bits.view(torch.float16).view(-1).to(x.dtype)
+        return self._int8_scales
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group={self.group}")  # fmt: skip
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding lookup from a quantized table: only the looked-up rows are widened.
+
+    A tied output head and its embedding share one quantized table (``head``), so the
+    model holds the table once, quantized.
+
+    Args:
+        head: the quantized layer whose weight is the table ([vocab, hidden]).
+        dtype: the dtype of the rows returned.
+    """
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+        # NOTE: a plain attribute, not a submodule: the head is registered once, as lm_head.
+        self._head = [head]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._head[0].qw.rows(ids.reshape(-1))
+        return dequantize(rows, self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        head = self._head[0]
+        return (f"{self.num_embeddings}, {self.embedding_dim}, bits={head.bits}, "
+                f"group={head.group}, tied to lm_head")  # fmt: skip
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight computing ``weights`` side by side (outputs concatenated), or None where
+    their layouts differ (bits, group or width), so they cannot be one matmul."""
+    first = weights[0]
+    if any((w.bits, w.group, w.shape[1]) != (first.bits, first.group, first.shape[1])
+           for w in weights):  # fmt: skip
+        return None
+    mins = None if first.mins is None else torch.cat([w.mins for w in weights])  # type: ignore[misc]
+    return QuantizedWeight(first.bits, first.group, torch.cat([w.qweight for w in weights]),
+                           torch.cat([w.scales for w in weights]), mins)
+
+
+def _concat_linears(layers: list[QuantLinear]) -> QuantLinear | None:
+    fused = concat_rows([layer.qw for layer in layers])
+    if fused is None:
+        return None
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+    return QuantLinear(fused, bias)
+
+
+def fuse_quantized(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up `QuantLinear`s into one each where their layouts agree.
+
+    The quantized twin of `packed_linear.fuse_projections`, for weights that arrive
+    quantized one by one (a GGUF file's blocks): a GGUF may store q and v in different
+    block types, and those stay separate.
+
+    Returns:
+        The number of modules fused.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and not module.fused:
+            names = ["q_proj", "k_proj", "v_proj"]
+            target = "qkv_proj"
+        elif isinstance(module, MLP) and not module.fused:
+            names, target = ["gate_proj", "up_proj"], "gate_up_proj"
+        else:
+            continue
+        parts = [getattr(module, name) for name in names]
+        if not all(isinstance(p, QuantLinear) for p in parts):
+            continue
+        fused = _concat_linears(parts)
+        if fused is None:
+            continue
+        setattr(module, target, fused)
+        for name in names:
+            delattr(module, name)
+        module.fused = True
+        count += 1
+    return count

@@ -1,0 +1,37 @@
+"""A few bf16 rows times a weight-only quantized weight, at memory speed (CPU).
+
+`csrc/quant_gemm.cpp` reads the packed weight (`kernels/quant.py`'s layout) once, widens it
+in registers and dots it with every row by AVX512-BF16's dpbf16 (exact products, float32
+sums); `dequantize_bf16` writes the full bf16 weight for steps with many rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_build import available
+from kernels.quant import QuantizedWeight
+
+
+def supports(qw: QuantizedWeight) -> bool:
+    """Whether the compiled kernel serves this weight: a CPU weight in a layout it reads, and
+    a build of the CPU ops with AVX512-BF16."""
+    k = qw.shape[1]
+    return (qw.qweight.device.type == "cpu" and k % (64 if qw.bits == 4 else 32) == 0
+            and available() and bool(torch.ops.ringserve.quant_linear_supported()))  # fmt: skip
+
+
+def quant_linear(x: torch.Tensor, qw: QuantizedWeight,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` for bf16 x [m, k]; [m, n] bf16 (any m; rows past 8
+    run in passes of 8)."""
+    out: torch.Tensor = torch.ops.ringserve.quant_linear(
+        x, qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, bias)
+    return out
+
+
+def dequantize_bf16(qw: QuantizedWeight) -> torch.Tensor:
+    """The full weight [n, k] in bf16, as `kernels.quant.dequantize(qw, torch.bfloat16)`."""
+    out: torch.Tensor = torch.ops.ringserve.quant_dequantize(
+        qw.qweight, qw.scales, qw.mins, qw.bits, qw.group)
+    return out

@@ -1,0 +1,256 @@
+"""Weight-only quantization: the layout, the kernels, the layers, and whole models.
+
+References: a float64 matmul of the dequantized weight for the kernels; transformers
+(float32, eager) running the very weights we quantized, dequantized, for the models.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.loading import load_model
+from engine.loading.quantize import INT4_GROUP, pick_quantization, weight_bytes
+from engine.models.quant_linear import KERNEL_ROWS, QuantEmbedding, QuantLinear, concat_rows
+from kernels import cpu_quant
+from kernels.quant import (
+    QuantizedWeight,
+    dequantize,
+    pack_int4,
+    quant_matmul_reference,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+from tests.model_harness import RingHarness
+from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
+
+# (k, n) of every linear of the five families' real models, n cut to 96 rows (the kernel
+# splits rows over threads; k is what shapes its inner loop): gemma-3-270m 640/1024/2048,
+# SmolLM2 (llama) 576/1536, Qwen2-0.5B 896/4864, Qwen3-0.6B 1024/3072, Phi-3-mini 3072/8192.
+FAMILY_WIDTHS = sorted({640, 1024, 2048, 576, 1536, 896, 4864, 3072, 8192})
+LAYOUTS = [("int8", None), ("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64),
+           ("int4", 128)]
+
+kernel_only = pytest.mark.skipif(
+    not cpu_quant.supports(quantize_int8(torch.ones(32, 64))),
+    reason="the compiled quantized kernel needs AVX512-BF16 and a C++ compiler")
+
+
+def make(kind: str, group: int | None, weight: torch.Tensor) -> QuantizedWeight:
+    return quantize_int8(weight, group) if kind == "int8" else quantize_int4(weight, group or 32)
+
+
+def fits(kind: str, group: int | None, k: int) -> bool:
+    return k % (group or k) == 0 and (kind == "int8" or k % 64 == 0)
+
+
+# -- the layout ---------------------------------------------------------------------------
+
+def test_int4_packing_round_trips() -> None:
+    values = torch.randint(0, 16, (5, 192), dtype=torch.uint8)
+    packed = pack_int4(values)
+    assert packed.shape == (5, 96)
+    assert torch.equal(unpack_int4(packed), values)
+    # the documented chunk layout: byte i of a chunk holds values i and 32 + i
+    assert int(packed[0, 3]) == int(values[0, 3]) | int(values[0, 35]) << 4
+    assert int(packed[1, 32 + 7]) == int(values[1, 64 + 7]) | int(values[1, 96 + 7]) << 4
+
+
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_quantize_dequantize_within_half_a_step(kind: str, group: int | None) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(48, 256) * 0.05
+    qw = make(kind, group, weight)
+    err = (dequantize(qw) - weight).abs().view(48, -1, qw.group)
+    step = qw.scales.float().unsqueeze(-1)
+    # half a step, plus float32 rounding of q * scale + min
+    assert bool((err <= step / 2 * (1 + 1e-3) + 1e-6).all())
+    assert qw.nbytes < weight.numel() * (1.2 if kind == "int8" else 0.7)
+
+
+def test_layout_is_checked() -> None:
+    with pytest.raises(ValueError, match="group"):
+        QuantizedWeight(8, 24, torch.zeros(2, 48, dtype=torch.int8),
+                        torch.zeros(2, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_int4(torch.randn(4, 96), 32)
+    with pytest.raises(ValueError, match="mins"):
+        QuantizedWeight(4, 32, torch.zeros(2, 32, dtype=torch.uint8),
+                        torch.zeros(2, 2, dtype=torch.float16))
+
+
+def test_concat_rows_needs_one_layout() -> None:
+    a, b = quantize_int8(torch.randn(8, 64), 32), quantize_int8(torch.randn(4, 64), 32)
+    both = concat_rows([a, b])
+    assert both is not None and both.shape == (12, 64)
+    assert torch.equal(dequantize(both), torch.cat([dequantize(a), dequantize(b)]))
+    assert concat_rows([a, quantize_int8(torch.randn(4, 64))]) is None
+
+
+# -- the kernels --------------------------------------------------------------------------
+
+def assert_matches_reference(out: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight,
+                             bias: torch.Tensor | None = None) -> None:
+    """bf16 output rounding (2^-8 relative) plus float32 summation over k."""
+    ref = quant_matmul_reference(x, qw)
+    if bias is not None:
+        ref = ref + bias.double()
+    scale = x.double().abs() @ dequantize(qw).double().abs().T
+    bound = ref.abs() * 2**-8 + scale * 2**-16 + 1e-6
+    assert bool(((out.double() - ref).abs() <= bound).all()), (out.double() - ref).abs().max()
+
+
+@kernel_only
+@pytest.mark.parametrize("k", FAMILY_WIDTHS)
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_kernel_against_float64_per_family_width(k: int, kind: str, group: int | None) -> None:
+    if not fits(kind, group, k):
+        pytest.skip(f"{kind} group {group} does not divide k={k}")
+    torch.manual_seed(k)
+    qw = make(kind, group, torch.randn(96, k) * 0.05)
+    for rows in (1, 3, 8, 13):  # 13: a second pass of x rows
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        assert_matches_reference(cpu_quant.quant_linear(x, qw, None), x, qw)
+
+
+@kernel_only
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_kernel_bias_and_dequantize(kind: str, group: int | None) -> None:
+    torch.manual_seed(1)
+    qw = make(kind, group, torch.randn(40, 128))
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    bias = torch.randn(40).to(torch.bfloat16)
+    assert_matches_reference(cpu_quant.quant_linear(x, qw, bias), x, qw, bias)
+    assert torch.equal(cpu_quant.dequantize_bf16(qw), dequantize(qw, torch.bfloat16))
+
+
+@kernel_only
+def test_kernel_refuses_a_bad_layout() -> None:
+    qw = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.ringserve.quant_linear(torch.randn(1, 64).bfloat16(), qw.qweight,
+                                         qw.scales.float(), None, 8, 64, None)
+
+
+# -- the layers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kind", "group"), [("int8", None), ("int8", 32), ("int4", 64)])
+@pytest.mark.parametrize("rows", [1, KERNEL_ROWS, KERNEL_ROWS + 5])
+def test_quant_linear_every_path(dtype: torch.dtype, kind: str, group: int | None,
+                                 rows: int) -> None:
+    torch.manual_seed(rows)
+    qw = make(kind, group, torch.randn(72, 128) * 0.1)
+    layer = QuantLinear(qw, None)
+    x = torch.randn(rows, 128).to(dtype)
+    out = layer(x.view(1, rows, 128))
+    assert out.shape == (1, rows, 72) and out.dtype == dtype
+    if dtype == torch.bfloat16 and rows <= KERNEL_ROWS and layer.kernel:
+        assert_matches_reference(out[0], x, qw)
+    else:  # the dense path multiplies by the weight rounded to x's dtype
+        ref = x.double() @ dequantize(qw, dtype).double().T
+        torch.testing.assert_close(out[0].double(), ref, atol=1e-2 if dtype != torch.float32
+                                   else 1e-4, rtol=1e-2 if dtype != torch.float32 else 1e-4)
+
+
+def test_quant_embedding_reads_rows_of_the_table() -> None:
+    qw = quantize_int4(torch.randn(50, 64), 32)
+    head = QuantLinear(qw, None)
+    embed = QuantEmbedding(head, torch.float32)
+    ids = torch.tensor([[3, 49, 0], [7, 7, 21]])
+    assert torch.equal(embed(ids), dequantize(qw)[ids])
+    assert not list(embed.parameters()) and not list(embed.buffers())  # the head owns it
+
+
+# -- choosing a method --------------------------------------------------------------------
+
+def test_pick_quantization(tmp_path: pathlib.Path) -> None:
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert pick_quantization("auto", folder=tmp_path, device=cpu, dtype=bf16)[0] == "none"
+    assert pick_quantization("INT8", folder=tmp_path, device=cpu, dtype=bf16)[0] == "int8"
+    with pytest.raises(InvalidRequestError, match="int4") as bad:
+        pick_quantization("int3", folder=tmp_path, device=cpu, dtype=bf16)
+    assert bad.value.param == "quantization"
+    with pytest.raises(InvalidRequestError, match=r"converted from a \.gguf"):
+        pick_quantization("gguf", folder=tmp_path, device=cpu, dtype=bf16)
+    with pytest.raises(InvalidRequestError, match="CPU only"):
+        pick_quantization("int8", folder=tmp_path, device=torch.device("cuda"), dtype=bf16)
+    assert pick_quantization("none", folder=tmp_path, device=torch.device("cuda"),
+                             dtype=bf16)[0] == "none"
+    (tmp_path / "gguf-blocks.safetensors").touch()
+    assert pick_quantization("auto", folder=tmp_path, device=cpu,
+                             dtype=torch.float32)[0] == "none"  # no bf16 kernel for fp32
+
+
+# -- whole models against transformers ------------------------------------------------------
+
+def transformers_with(path: pathlib.Path, kind: str,
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' model (float32) with every linear weight (and a tied embedding)
+    replaced by our quantization of it, dequantized: the weights our quantized model must
+    be running. A model loaded in ``dtype`` quantizes its weights rounded to ``dtype``."""
+    hf = hf_reference(path)
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                k, weight = module.in_features, module.weight.to(dtype)
+                if kind == "int8" and k % 32 == 0:
+                    module.weight.copy_(dequantize(quantize_int8(weight)))
+                elif kind == "int4" and k % 64 == 0:
+                    module.weight.copy_(dequantize(quantize_int4(weight, INT4_GROUP)))
+    return hf
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama", "phi3"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_model_matches_transformers(tmp_path: pathlib.Path, family: str,
+                                              kind: str) -> None:
+    path = make_checkpoint(family, tmp_path)
+    ids = random_tokens(6 * W, seed=3)
+    with torch.no_grad():
+        expected = transformers_with(path, kind)(torch.tensor([ids])).logits[0]
+        plain = hf_reference(path)(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.float32, quantization=kind)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers, "nothing was quantized"
+    if family == "gemma3_text":  # tied: the embedding reads the head's quantized table
+        assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    assert (got - plain).abs().max() > 1e-3  # quantization did change the weights
+    sizes = weight_bytes(model)
+    full = weight_bytes(load_model(path, dtype=torch.float32))
+    assert sizes.per_token < full.per_token
+
+
+def agreement(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(expected || got) per position."""
+    top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(got.float().log_softmax(-1), expected.log_softmax(-1),
+                                    log_target=True, reduction="batchmean").item()
+    return top1, kl
+
+
+@kernel_only
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_bf16_quantized_model_close_to_transformers(tmp_path: pathlib.Path, kind: str) -> None:
+    """The bf16 kernel path: as close to transformers running the same quantized weights
+    in float32 as plain bf16 is to plain float32 (bf16 activations round either way)."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    ids = random_tokens(160, seed=5)
+    with torch.no_grad():
+        expected = transformers_with(path, kind, torch.bfloat16)(torch.tensor([ids])).logits[0]
+        plain_fp32 = hf_reference(path)(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.bfloat16, quantization=kind)
+    assert any(m.kernel for m in model.modules() if isinstance(m, QuantLinear))
+    got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
+    plain_bf16 = RingHarness(load_model(path, dtype=torch.bfloat16), B, 160).logits_in_chunks(
+        ids, [W, 1, 1, 2 * W])
+    top1, kl = agreement(got, expected)
+    base_top1, base_kl = agreement(plain_bf16, plain_fp32)
+    assert top1 >= min(0.9, base_top1 - 0.05) and kl <= 3 * base_kl + 1e-5, (
+        top1, kl, base_top1, base_kl)
