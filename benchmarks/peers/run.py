@@ -34,7 +34,8 @@ from model_files import hf_folder, parameter_count
 from paths import MODEL, RESULTS, ROOT, log
 
 KINDS = ("ringserve", "vllm", "llamacpp-q4", "llamacpp-bf16")
-DEFAULT_RINGSERVE = "; --dtype float32"  # two rows: the defaults, and float32
+# NOTE: four rows: bf16 weights, the default (the GGUF's own blocks), int8, int4.
+DEFAULT_RINGSERVE = "--quantization none; ; --quantization int8; --quantization int4"
 
 
 def _ints(text: str) -> list[int]:
@@ -128,6 +129,7 @@ def run_row(row: servers.Row, args: argparse.Namespace) -> dict[str, Any]:
         out["command"] = server.describe()
         with server:
             out["weights"] = server.weights
+            out["decode_bytes"] = server.decode_bytes
             for conc, n in zip(args.concurrency, args.prompts, strict=True):
                 out["measurements"].append(measure(server, conc, n, args))
     except Exception as err:  # recorded in the table; the next row runs
@@ -187,9 +189,12 @@ def main() -> None:
             result = run_row(row, args)
         result["weight_bytes"], result["ceilings"] = 0, []
         fmt = result["weights"]
-        if fmt in read_limit.BYTES or (fmt == "gguf" and row.kind not in errors):
-            weights = read_limit.weight_bytes(fmt, params, row.gguf() if row.gguf else None)
-            kv = read_limit.kv_bytes_per_token(folder, read_limit.kv_element_bytes(fmt))
+        if result.get("decode_bytes") or fmt in read_limit.BYTES or (
+                fmt == "gguf" and row.kind not in errors):
+            weights = result.get("decode_bytes") or read_limit.weight_bytes(
+                fmt, params, row.gguf() if row.gguf else None)
+            kv = read_limit.kv_bytes_per_token(
+                folder, read_limit.kv_element_bytes(fmt.split("+")[0]))
             result["weight_bytes"] = weights
             result["ceilings"] = [read_limit.ceiling(c, weights, kv, context, bandwidth)
                                   for c in args.concurrency]

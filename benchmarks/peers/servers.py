@@ -87,6 +87,7 @@ class Server:
         self.log_path = LOGS / f"serve-{row.kind}-{int(time.time())}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.weights = row.weights  # "auto" resolved once the server is up
+        self.decode_bytes = 0  # ringserve: the weight bytes a decode step reads, as it logs
 
     def __enter__(self) -> Server:
         LOGS.mkdir(parents=True, exist_ok=True)
@@ -98,8 +99,8 @@ class Server:
                                          start_new_session=True)
         try:
             self._wait_healthy()
-            if self.weights == "auto":
-                self.weights = self._logged_dtype()
+            if self.row.kind == "ringserve":
+                self._read_ringserve_log()
         except BaseException:
             self.stop()
             raise
@@ -140,12 +141,21 @@ class Server:
         raise RuntimeError(f"not healthy after {self.row.start_timeout:.0f} s; "
                            f"{self.log_tail()}")
 
-    def _logged_dtype(self) -> str:
-        """The dtype ringserve's engine chose, from its start-up line `dtype bfloat16 (...)`."""
-        found = re.search(r"ringserve\.engine: dtype (\w+) \(", self.log_path.read_text())
-        if not found:
-            log(f"warning: {self.row.name} logged no dtype; its read limit is left out")
-        return found.group(1) if found else "auto"
+    def _read_ringserve_log(self) -> None:
+        """The dtype and quantization ringserve chose and the weight bytes a decode step
+        reads, from its start-up lines (`dtype bfloat16 (...)`, `quantization int8 (...)`,
+        `... a decode step reads 123.4 MiB of them`)."""
+        text = self.log_path.read_text()
+        dtype = re.search(r"ringserve\.engine: dtype (\w+) \(", text)
+        quant = re.search(r"ringserve\.engine: quantization (\w+) \(", text)
+        reads = re.search(r"a decode step reads ([\d.]+) MiB", text)
+        if not (dtype and quant and reads):
+            log(f"warning: {self.row.name} logged no dtype, quantization or weight bytes; "
+                "its read limit is left out")
+            return
+        method = quant.group(1)
+        self.weights = dtype.group(1) if method == "none" else f"{dtype.group(1)}+{method}"
+        self.decode_bytes = int(float(reads.group(1)) * 2**20)
 
     def log_tail(self, lines: int = 12) -> str:
         """The log's last lines, health checks left out."""
