@@ -181,7 +181,8 @@ def test_pick_quantization(tmp_path: pathlib.Path) -> None:
         pick_quantization("int8", folder=tmp_path, device=torch.device("cuda"), dtype=bf16)
     assert pick_quantization("none", folder=tmp_path, device=torch.device("cuda"),
                              dtype=bf16)[0] == "none"
-    (tmp_path / "gguf-blocks.safetensors").touch()
+    (tmp_path / "gguf-blocks").mkdir()
+    (tmp_path / "gguf-blocks" / "blocks.safetensors").touch()
     assert pick_quantization("auto", folder=tmp_path, device=cpu,
                              dtype=torch.float32)[0] == "none"  # no bf16 kernel for fp32
 

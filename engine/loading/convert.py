@@ -55,7 +55,7 @@ from engine.loading.find import (
 
 logger = logging.getLogger(__name__)
 
-CONVERT_VERSION = 2  # bump when the conversion changes, so that old cache folders are not reused
+CONVERT_VERSION = 3  # bump when the conversion changes, so that old cache folders are not reused
 GGUF_INSTALL = "pip install gguf accelerate"
 _SAMPLE_BYTES = 1 << 20  # the identity of a .gguf hashes its first and last MiB and its size
 _SOURCE_FILE = "ringserve-source.json"  # provenance, written into every converted folder
@@ -231,6 +231,7 @@ def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: s
             convert_gguf(gguf, out, label=label)
             # The file's own quantized blocks, repacked for `--quantization gguf`.
             saved = gguf_blocks.save_blocks(gguf, out)
+            _match_modes(out)
             logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
             seconds = time.monotonic() - started
             provenance = {"source": str(gguf), "label": label, "seconds": round(seconds, 1)}
@@ -247,8 +248,9 @@ def _match_modes(out: Path) -> None:
     # NOTE: safetensors writes weights 0600; a cache filled by one user (say, while building
     # an image) must stay readable to the user who serves it.
     mode = (out / "config.json").stat().st_mode & 0o777
-    for file in out.iterdir():
-        file.chmod(mode)
+    folder_mode = out.stat().st_mode & 0o777
+    for path in out.rglob("*"):
+        path.chmod(folder_mode if path.is_dir() else mode)
 
 
 def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:

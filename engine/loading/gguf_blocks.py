@@ -326,7 +326,9 @@ def _read_one(
 
 # -- the blocks file a conversion leaves beside the bf16 weights --------------------------
 
-BLOCKS_FILE = "gguf-blocks.safetensors"
+# NOTE: in a subfolder, so that nothing globbing the folder's *.safetensors for the model's
+# weights (our loader, vLLM, transformers) reads it as one.
+BLOCKS_FILE = "gguf-blocks/blocks.safetensors"
 
 
 def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str]) -> int:
@@ -362,7 +364,9 @@ def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str
         if qw.mins is not None:
             tensors[f"{name}.mins"] = qw.mins.contiguous()
     ties = {name: kept[id(qw)] for name, qw in weights.items() if kept[id(qw)] != name}
-    save_file(tensors, str(Path(folder) / BLOCKS_FILE), metadata={"ties": json.dumps(ties)})
+    target = Path(folder) / BLOCKS_FILE
+    target.parent.mkdir(exist_ok=True)
+    save_file(tensors, str(target), metadata={"ties": json.dumps(ties)})
     return len(kept)
 
 
