@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py --batch 8                  # gemma-3-270m, dtype auto
     python benchmarks/step_profile.py --batch 32 --context 400 --shapes
+    python benchmarks/step_profile.py --batch 1 --quantization int8
 
 Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
 (median and fastest) and prints the profiler's table of one more batch of steps, so the
@@ -28,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", help="auto, none, int8, int4 or gguf")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
@@ -39,7 +41,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     total = args.context + args.steps + args.profile_steps + 8
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="2GiB",
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1))
     engine = llm.engine
     vocab = engine.model.config.vocab_size
@@ -69,7 +72,8 @@ def main() -> None:
         max_shapes_column_width=70)
     print(table)
     median = statistics.median(times)
-    print(f"{args.model} {engine.dtype} batch {args.batch}, context {args.context}, "
+    print(f"{args.model} {engine.dtype} {engine.quantization} batch {args.batch}, "
+          f"context {args.context}, "
           f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
           f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "
           f"({args.batch / median:.1f} tok/s); the table covers {args.profile_steps} steps")

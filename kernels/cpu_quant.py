@@ -21,12 +21,15 @@ def supports(qw: QuantizedWeight) -> bool:
             and available() and bool(torch.ops.ringserve.quant_linear_supported()))  # fmt: skip
 
 
-def quant_linear(x: torch.Tensor, qw: QuantizedWeight,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantize(qw).T + bias`` for bf16 x [m, k]; [m, n] bf16 (any m; rows past 8
-    run in passes of 8)."""
+def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+                 tile_rows: int = 8) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` for bf16 x [m, k]; [m, n] bf16, any m.
+
+    Up to ``tile_rows`` rows read the packed weight (widened in registers, per pass of 8
+    rows); more rows widen blocks of it to bf16 once and read those from cache.
+    """
     out: torch.Tensor = torch.ops.ringserve.quant_linear(
-        x, qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, bias)
+        x, qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, bias, tile_rows)
     return out
 
 

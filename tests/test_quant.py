@@ -14,7 +14,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.loading import load_model
 from engine.loading.quantize import INT4_GROUP, INT8_GROUP, pick_quantization, weight_bytes
-from engine.models.quant_linear import KERNEL_ROWS, QuantEmbedding, QuantLinear, concat_rows
+from engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear, concat_rows
 from kernels import cpu_quant
 from kernels.quant import (
     QuantizedWeight,
@@ -114,7 +114,14 @@ def test_kernel_against_float64_per_family_width(k: int, kind: str, group: int |
     qw = make(kind, group, torch.randn(96, k) * 0.05)
     for rows in (1, 3, 8, 13):  # 13: a second pass of x rows
         x = torch.randn(rows, k).to(torch.bfloat16)
-        assert_matches_reference(cpu_quant.quant_linear(x, qw, None), x, qw)
+        assert_matches_reference(cpu_quant.quant_linear(x, qw, None, tile_rows=16), x, qw)
+    for rows in (1, 9, 21):  # bf16 tiles (every row count), 96 weight rows: a partial tile
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        tiled = cpu_quant.quant_linear(x, qw, None, tile_rows=0)
+        rounded = x.double() @ dequantize(qw, torch.bfloat16).double().T
+        sums = x.double().abs() @ dequantize(qw).double().abs().T
+        bound = rounded.abs() * 2**-8 + sums * 2**-16
+        assert bool(((tiled.double() - rounded).abs() <= bound + 1e-6).all())
 
 
 @kernel_only
@@ -125,6 +132,9 @@ def test_kernel_bias_and_dequantize(kind: str, group: int | None) -> None:
     x = torch.randn(2, 128).to(torch.bfloat16)
     bias = torch.randn(40).to(torch.bfloat16)
     assert_matches_reference(cpu_quant.quant_linear(x, qw, bias), x, qw, bias)
+    tiled = cpu_quant.quant_linear(x, qw, bias, tile_rows=0)
+    ref = x.double() @ dequantize(qw, torch.bfloat16).double().T + bias.double()
+    torch.testing.assert_close(tiled.double(), ref, atol=1e-2, rtol=1e-2)
     assert torch.equal(cpu_quant.dequantize_bf16(qw), dequantize(qw, torch.bfloat16))
 
 
@@ -140,7 +150,7 @@ def test_kernel_refuses_a_bad_layout() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kind", "group"), [("int8", None), ("int8", 32), ("int4", 64)])
-@pytest.mark.parametrize("rows", [1, KERNEL_ROWS, KERNEL_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, TILE_ROWS, TILE_ROWS + 5, 70])
 def test_quant_linear_every_path(dtype: torch.dtype, kind: str, group: int | None,
                                  rows: int) -> None:
     torch.manual_seed(rows)
@@ -149,9 +159,9 @@ def test_quant_linear_every_path(dtype: torch.dtype, kind: str, group: int | Non
     x = torch.randn(rows, 128).to(dtype)
     out = layer(x.view(1, rows, 128))
     assert out.shape == (1, rows, 72) and out.dtype == dtype
-    if dtype == torch.bfloat16 and rows <= KERNEL_ROWS and layer.kernel:
+    if dtype == torch.bfloat16 and rows <= TILE_ROWS and layer.kernel:
         assert_matches_reference(out[0], x, qw)
-    else:  # the dense path multiplies by the weight rounded to x's dtype
+    else:  # tiles and the dense path multiply by the weight rounded to x's dtype
         ref = x.double() @ dequantize(qw, dtype).double().T
         torch.testing.assert_close(out[0].double(), ref, atol=1e-2 if dtype != torch.float32
                                    else 1e-4, rtol=1e-2 if dtype != torch.float32 else 1e-4)

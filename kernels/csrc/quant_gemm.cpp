@@ -21,6 +21,7 @@
 
 #include "bf16.h"
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -50,6 +51,50 @@ void check_layout(const at::Tensor& qweight, const at::Tensor& scales,
   TORCH_CHECK(bits == 8 || (mins.has_value() && mins->scalar_type() == at::kHalf &&
                             mins->is_contiguous() && mins->sizes() == scales.sizes()),
               "quant: 4-bit weights need float16 mins shaped like scales");
+}
+
+// Row r of the weight as bf16 (q * scale (+ min) in float32, rounded once) into o[0, k).
+// NOTE: simple loops over runs of one scale, so that the compiler vectorises them.
+void dequant_row(const uint8_t* qp, const c10::Half* sp, const c10::Half* mp, int64_t bits,
+                 int64_t group, int64_t k, int64_t r, c10::BFloat16* o) {
+  const int64_t groups = k / group;
+  const c10::Half* rs = sp + r * groups;
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(qp) + r * k;
+#if defined(__AVX512BF16__)
+    // NOTE: by hand: the compiler left this loop scalar (1 ns a value).
+    for (int64_t j = 0; j < k; j += 32) {  // k % 32 == 0; halves of 16 in one group each
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      const __m512 s0 = _mm512_set1_ps(static_cast<float>(rs[j / group]));
+      const __m512 s1 = _mm512_set1_ps(static_cast<float>(rs[(j + 16) / group]));
+      _mm512_storeu_si512(o + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s1),
+                                                               _mm512_mul_ps(lo, s0)));
+    }
+#else
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = static_cast<float>(rs[g]);
+#pragma omp simd
+      for (int64_t j = g * group; j < (g + 1) * group; ++j)
+        o[j] = ringserve::from_f<c10::BFloat16>(static_cast<float>(q[j]) * s);
+    }
+#endif
+    return;
+  }
+  const uint8_t* q = qp + r * (k / 2);
+  const c10::Half* rm = mp + r * groups;
+  for (int64_t j0 = 0; j0 < k; j0 += 64) {  // a chunk: 32 bytes, two halves of 32 values
+    const uint8_t* b = q + j0 / 2;
+    const float s0 = static_cast<float>(rs[j0 / group]), m0 = static_cast<float>(rm[j0 / group]);
+    const float s1 = static_cast<float>(rs[(j0 + 32) / group]);
+    const float m1 = static_cast<float>(rm[(j0 + 32) / group]);
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) {
+      o[j0 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] & 0x0F) * s0 + m0);
+      o[j0 + 32 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] >> 4) * s1 + m1);
+    }
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -257,14 +302,126 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
     }
   });
 }
+
+// Steps with many x rows (prefill chunks, large decode batches) are compute-bound: there
+// the weight is widened once per block of 32 rows into a bf16 tile in the layout dpbf16
+// multiplies best, pairs of k interleaved across the 32 rows (tile[p][i] = w[i][2p, 2p+1]),
+// and each x row's pair is broadcast against 16 rows at a time: 16 outputs a dpbf16, no
+// horizontal sums (the layout oneDNN's bf16 GEMM packs its weights into). The weight is
+// rounded to bf16 here, as a dense GEMM of the dequantized weight would round it.
+constexpr int64_t kTile = 32;  // weight rows a tile: two vectors of 16 outputs
+
+// out[m, r0 + i] for x rows [0, MR) and the tile's rows; tile: [k / 2][kTile] uint32 pairs.
+template <int MR>
+void tile_rows(const uint16_t* x, int64_t k, const uint32_t* tile, int64_t valid,
+               const c10::BFloat16* bias, int64_t r0, int64_t n, c10::BFloat16* out) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * kTile);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * kTile + 16);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * k + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+    }
+  }
+  __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (bias != nullptr) {
+    for (int h = 0; h < 2; ++h) {
+      alignas(64) float bv[16] = {};
+      for (int i = 0; i < 16 && h * 16 + i < valid; ++i) bv[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
+      b[h] = _mm512_load_ps(bv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t left = valid - h * 16;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][h], b[h]));
+      _mm256_mask_storeu_epi16(out + m * n + r0 + h * 16, mask, v);
+    }
+}
+
+// In place: r[i] lane j -> r[j] lane i (a 16 x 16 transpose of 32-bit values).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
+               const c10::Half* mins, int64_t bits, const c10::BFloat16* bias, int64_t k,
+               int64_t group, int64_t n, c10::BFloat16* out) {
+  const int64_t kp = k / 2;
+  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<c10::BFloat16> rowbuf(static_cast<size_t>(kTile * k));
+    std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * kTile, valid = std::min(kTile, n - r0);
+      for (int64_t i = 0; i < kTile; ++i) {
+        c10::BFloat16* row = rowbuf.data() + i * k;
+        if (i < valid)
+          dequant_row(qw, scales, mins, bits, group, k, r0 + i, row);
+        else
+          std::memset(static_cast<void*>(row), 0, static_cast<size_t>(k) * sizeof(*row));
+      }
+      // 32 rows of k / 2 pairs -> k / 2 pairs of 32 rows, 16 x 16 blocks in registers.
+      const auto* pairs = reinterpret_cast<const uint32_t*>(rowbuf.data());
+      for (int64_t p0 = 0; p0 < kp; p0 += 16)
+        for (int64_t h = 0; h < kTile; h += 16) {
+          __m512i block[16];
+          for (int i = 0; i < 16; ++i) block[i] = _mm512_loadu_si512(pairs + (h + i) * kp + p0);
+          transpose16(block);
+          for (int c = 0; c < 16; ++c) _mm512_storeu_si512(tile.data() + (p0 + c) * kTile + h, block[c]);
+        }
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        const uint16_t* xp = x + m0 * k;
+        c10::BFloat16* op = out + m0 * n;
+        const uint32_t* tp = tile.data();
+        switch (std::min(kMaxRows, rows - m0)) {
+          case 1: tile_rows<1>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 2: tile_rows<2>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 3: tile_rows<3>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 4: tile_rows<4>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 5: tile_rows<5>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 6: tile_rows<6>(xp, k, tp, valid, bias, r0, n, op); break;
+          case 7: tile_rows<7>(xp, k, tp, valid, bias, r0, n, op); break;
+          default: tile_rows<8>(xp, k, tp, valid, bias, r0, n, op);
+        }
+      }
+    }
+  });
+}
 #endif  // __AVX512BF16__
 
 // x: [m, k] bf16; the weight in the kernels/quant.py layout; bias [n] bf16 or None.
-// Returns [m, n] bf16. Where this build has no AVX512-BF16, it raises: callers check
-// `quant_linear_supported()` first.
+// Returns [m, n] bf16. Steps of more than `tile_rows` x rows widen blocks of the weight to
+// bf16 once (run_tiles); fewer read it packed (run_rows). Where this build has no
+// AVX512-BF16, it raises: callers check `quant_linear_supported()` first.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, int64_t tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "quant_linear: x must be bf16 [m, k]");
   const int64_t k = x.size(1), n = qweight.size(0), rows = x.size(0);
   check_layout(qweight, scales, mins, bits, group, k);
@@ -277,7 +434,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   auto out = at::empty({rows, n}, x.options());
   const int64_t groups = k / group;
   std::vector<float> xsum;
-  if (bits == 4) {  // sum of each x row over each group, for the mins
+  if (bits == 4 && rows <= tile_rows) {  // sum of each x row over each group, for the mins
     xsum.assign(static_cast<size_t>(rows * groups), 0.f);
     const auto* xp = xc.data_ptr<c10::BFloat16>();
     for (int64_t m = 0; m < rows; ++m)
@@ -293,7 +450,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
   const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
-  if (bits == 8)
+  if (rows > tile_rows)
+    run_tiles(xp, rows, qp, sp, mp, bits, bp, k, group, n, op);
+  else if (bits == 8)
     run_rows<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
   else
     run_rows<4>(xp, rows, qp, sp, mp, xsum.data(), bp, k, group, n, op);
@@ -313,36 +472,8 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
   const auto* sp = scales.data_ptr<c10::Half>();
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t groups = k / group;
-  // NOTE: simple loops over runs of one scale, so that the compiler vectorises them.
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      c10::BFloat16* o = op + r * k;
-      const c10::Half* rs = sp + r * groups;
-      if (bits == 8) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(qp) + r * k;
-        for (int64_t g = 0; g < groups; ++g) {
-          const float s = static_cast<float>(rs[g]);
-#pragma omp simd
-          for (int64_t j = g * group; j < (g + 1) * group; ++j)
-            o[j] = ringserve::from_f<c10::BFloat16>(static_cast<float>(q[j]) * s);
-        }
-        continue;
-      }
-      const uint8_t* q = qp + r * (k / 2);
-      const c10::Half* rm = mp + r * groups;
-      for (int64_t j0 = 0; j0 < k; j0 += 64) {  // a chunk: 32 bytes, two halves of 32 values
-        const uint8_t* b = q + j0 / 2;
-        const float s0 = static_cast<float>(rs[j0 / group]), m0 = static_cast<float>(rm[j0 / group]);
-        const float s1 = static_cast<float>(rs[(j0 + 32) / group]);
-        const float m1 = static_cast<float>(rm[(j0 + 32) / group]);
-#pragma omp simd
-        for (int i = 0; i < 32; ++i) {
-          o[j0 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] & 0x0F) * s0 + m0);
-          o[j0 + 32 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] >> 4) * s1 + m1);
-        }
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) dequant_row(qp, sp, mp, bits, group, k, r, op + r * k);
   });
   return out;
 }
@@ -359,7 +490,7 @@ bool quant_linear_supported() {
 
 TORCH_LIBRARY_FRAGMENT(ringserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
-        "int group, Tensor? bias) -> Tensor");
+        "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group) "
         "-> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
