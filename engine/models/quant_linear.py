@@ -17,6 +17,7 @@ Paths, by what the step is and what the machine has:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +59,22 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernel = cpu_quant.supports(qw)
         self._int8_scales: torch.Tensor | None = None
+        self._qw: QuantizedWeight | None = None
 
     @property
     def qw(self) -> QuantizedWeight:
-        """The weight, as the layout object."""
-        mins = None if self.min_bits is None else self.min_bits.view(torch.float16)
-        return QuantizedWeight(self.bits, self.group, self.qweight,
-                               self.scale_bits.view(torch.float16), mins)
+        """The weight, as the layout object (made once: a decode step calls every layer,
+        and checking the layout on each call cost ~1 ms a step)."""
+        if self._qw is None:
+            mins = None if self.min_bits is None else self.min_bits.view(torch.float16)
+            self._qw = QuantizedWeight(self.bits, self.group, self.qweight,
+                                       self.scale_bits.view(torch.float16), mins)
+        return self._qw
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        self._qw = None  # `.to(device)` and friends replace the buffers
+        self._int8_scales = None
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return,no-untyped-call]
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The full weight [n, k] in ``dtype``."""
