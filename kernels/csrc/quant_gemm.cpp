@@ -142,139 +142,109 @@ inline void halves_to_floats(const c10::Half* src, int64_t n, float* dst) {
   }
 }
 
-// Weight rows [r0, r0 + R) of out [M, n] for x [M, k]; xsum [M, groups] (4-bit only);
-// sc, mn: scratch of `groups` floats each. R rows run side by side so that a step with one
-// or two x rows still has enough independent sums to hide dpbf16's latency.
-template <int M, int BITS, int R>
-inline void quant_block(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
-                        const c10::Half* mins, const float* xsum, const c10::BFloat16* bias,
-                        int64_t r0, int64_t k, int64_t group, int64_t n, float* sc, float* mn,
-                        c10::BFloat16* out) {
+// Weight row r of out [M, n] for x [M, k]; xsum [M, groups] (4-bit only); sc: scratch of
+// `groups` floats. Two sets of sums alternate halves of a 64-value step (and groups), so
+// consecutive FMAs do not wait on each other.
+// NOTE: two or four weight rows side by side (more independent sums for one x row)
+// measured 1.5-2.5x slower here: the unrolled blocks spill.
+template <int M, int BITS>
+inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
+                      const c10::Half* mins, const float* xsum, const c10::BFloat16* bias,
+                      int64_t r, int64_t k, int64_t group, int64_t n, float* sc,
+                      c10::BFloat16* out) {
   const int64_t groups = k / group;
-  const int64_t row_bytes = BITS == 8 ? k : k / 2;
-  const uint8_t* row[R];
-  // Two sets of sums alternate halves of a 64-value step, so consecutive FMAs do not wait
-  // on each other.
-  __m512 t0[R][M], t1[R][M];
-  for (int i = 0; i < R; ++i) {
-    row[i] = qw + (r0 + i) * row_bytes;
-    halves_to_floats(scales + (r0 + i) * groups, groups, sc + i * groups);
-    for (int m = 0; m < M; ++m) t0[i][m] = t1[i][m] = _mm512_setzero_ps();
-  }
+  const uint8_t* row = qw + r * (BITS == 8 ? k : k / 2);
+  halves_to_floats(scales + r * groups, groups, sc);
+  __m512 t0[M], t1[M];
+  for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
   if (group <= 32) {
     // One scale per 32-value half, or (group 16, GGUF's Q6_K) two: lanes 0-7 and 8-15 of
     // a dpbf16 hold values 0-15 and 16-31.
-    auto scale = [&](int i, int64_t j) {
-      const float* s = sc + i * groups;
-      return group == 16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[j / 16]),
-                                                _mm512_set1_ps(s[j / 16 + 1]))
-                         : _mm512_set1_ps(s[j / 32]);
+    auto scale = [&](int64_t j) {
+      return group == 16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[j / 16]),
+                                                _mm512_set1_ps(sc[j / 16 + 1]))
+                         : _mm512_set1_ps(sc[j / 32]);
     };
     int64_t j = 0;
     for (; j + 64 <= k; j += 64) {
-      for (int i = 0; i < R; ++i) {
-        __m512bh w0, w1;
-        widen64<BITS>(row[i], j, w0, w1);
-        const __m512 s0 = scale(i, j), s1 = scale(i, j + 32);
-        for (int m = 0; m < M; ++m) {
-          const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + m * k + j);
-          const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + m * k + j + 32);
-          t0[i][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), s0, t0[i][m]);
-          t1[i][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), s1, t1[i][m]);
-        }
+      __m512bh w0, w1;
+      widen64<BITS>(row, j, w0, w1);
+      const __m512 s0 = scale(j), s1 = scale(j + 32);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + m * k + j);
+        const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + m * k + j + 32);
+        t0[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), s0, t0[m]);
+        t1[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), s1, t1[m]);
       }
     }
     if (j < k) {  // int8 only: k % 64 == 32
-      for (int i = 0; i < R; ++i) {
-        const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row[i]) + j);
-        const __m512 s0 = scale(i, j);
-        for (int m = 0; m < M; ++m)
-          t0[i][m] = _mm512_fmadd_ps(
-              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + m * k + j), w0),
-              s0, t0[i][m]);
-      }
+      const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row) + j);
+      const __m512 s0 = scale(j);
+      for (int m = 0; m < M; ++m)
+        t0[m] = _mm512_fmadd_ps(
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + m * k + j), w0),
+            s0, t0[m]);
     }
   } else {
     for (int64_t g = 0; g < groups; ++g) {
-      __m512 p0[R][M], p1[R][M];
-      for (int i = 0; i < R; ++i)
-        for (int m = 0; m < M; ++m) p0[i][m] = p1[i][m] = _mm512_setzero_ps();
+      __m512 p0[M], p1[M];
+      for (int m = 0; m < M; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
       const int64_t j1 = (g + 1) * group;
       int64_t j = g * group;
       for (; j + 64 <= j1; j += 64) {
-        for (int i = 0; i < R; ++i) {
-          __m512bh w0, w1;
-          widen64<BITS>(row[i], j, w0, w1);
-          for (int m = 0; m < M; ++m) {
-            p0[i][m] = _mm512_dpbf16_ps(p0[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
-            p1[i][m] = _mm512_dpbf16_ps(p1[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j + 32), w1);
-          }
+        __m512bh w0, w1;
+        widen64<BITS>(row, j, w0, w1);
+        for (int m = 0; m < M; ++m) {
+          p0[m] = _mm512_dpbf16_ps(p0[m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
+          p1[m] = _mm512_dpbf16_ps(p1[m], (__m512bh)_mm512_loadu_si512(x + m * k + j + 32), w1);
         }
       }
       if (j < j1) {  // int8 only: group % 64 == 32
-        for (int i = 0; i < R; ++i) {
-          const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row[i]) + j);
-          for (int m = 0; m < M; ++m)
-            p0[i][m] = _mm512_dpbf16_ps(p0[i][m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
-        }
+        const __m512bh w0 = widen_int8(reinterpret_cast<const int8_t*>(row) + j);
+        for (int m = 0; m < M; ++m)
+          p0[m] = _mm512_dpbf16_ps(p0[m], (__m512bh)_mm512_loadu_si512(x + m * k + j), w0);
       }
-      for (int i = 0; i < R; ++i) {
-        const __m512 s = _mm512_set1_ps(sc[i * groups + g]);
-        for (int m = 0; m < M; ++m) {
-          if (g & 1)
-            t1[i][m] = _mm512_fmadd_ps(_mm512_add_ps(p0[i][m], p1[i][m]), s, t1[i][m]);
-          else
-            t0[i][m] = _mm512_fmadd_ps(_mm512_add_ps(p0[i][m], p1[i][m]), s, t0[i][m]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    const int64_t r = r0 + i;
-    float shift[M] = {};
-    if constexpr (BITS == 4) {
-      // The mins, less the 128 * scale that widen_int4's offset added, times sum(x).
-      const float* s = sc + i * groups;
-      halves_to_floats(mins + r * groups, groups, mn);
+      const __m512 s = _mm512_set1_ps(sc[g]);
       for (int m = 0; m < M; ++m) {
-        const float* xs = xsum + m * groups;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t g = 0; g < groups; ++g) acc += (mn[g] - kInt4Offset * s[g]) * xs[g];
-        shift[m] = acc;
+        if (g & 1)
+          t1[m] = _mm512_fmadd_ps(_mm512_add_ps(p0[m], p1[m]), s, t1[m]);
+        else
+          t0[m] = _mm512_fmadd_ps(_mm512_add_ps(p0[m], p1[m]), s, t0[m]);
       }
     }
-    const float b = bias != nullptr ? ringserve::to_f(bias[r]) : 0.f;
-    for (int m = 0; m < M; ++m)
-      out[m * n + r] = ringserve::from_f<c10::BFloat16>(
-          _mm512_reduce_add_ps(_mm512_add_ps(t0[i][m], t1[i][m])) + shift[m] + b);
   }
+  if constexpr (BITS == 4) {
+    // The mins, less the 128 * scale that widen_int4's offset added, times sum(x) over each
+    // group: 16 groups a vector, straight from float16, into the same sums.
+    const auto* mh = reinterpret_cast<const uint16_t*>(mins + r * groups);
+    const auto* sh = reinterpret_cast<const uint16_t*>(scales + r * groups);
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 mask = groups - g >= 16 ? 0xFFFF
+                                              : static_cast<__mmask16>((1u << (groups - g)) - 1);
+      const __m512 coef = _mm512_fnmadd_ps(
+          _mm512_set1_ps(kInt4Offset), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sh + g)),
+          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mh + g)));
+      for (int m = 0; m < M; ++m)
+        t1[m] = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(mask, xsum + m * groups + g), t1[m]);
+    }
+  }
+  const float b = bias != nullptr ? ringserve::to_f(bias[r]) : 0.f;
+  for (int m = 0; m < M; ++m)
+    out[m * n + r] =
+        ringserve::from_f<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(t0[m], t1[m])) + b);
 }
 
-// Weight rows [n0, n1): blocks of R rows side by side (R = 4 for one x row, 2 for two,
-// 1 from three on, where the x rows give the independent sums), then the rest one by one.
+// Weight rows [n0, n1), one at a time.
 template <int M, int BITS>
 void quant_rows(const uint16_t* x, const uint8_t* qw, const c10::Half* scales,
                 const c10::Half* mins, const float* xsum, const c10::BFloat16* bias,
                 int64_t n0, int64_t n1, int64_t k, int64_t group, int64_t n,
                 c10::BFloat16* out) {
-  // NOTE: R > 1 (2 or 4 rows side by side for one x row) measured 1.5-2.5x slower here:
-  // the unrolled blocks spill. One row at a time, its two sums alternating, is faster.
-  constexpr int R = 1;
-  const int64_t groups = k / group;
-  std::vector<float> sc(static_cast<size_t>(R * groups) + 2), mn(static_cast<size_t>(groups));
-  int64_t r = n0;
-  for (; r + R <= n1; r += R)
-    quant_block<M, BITS, R>(x, qw, scales, mins, xsum, bias, r, k, group, n, sc.data(),
-                            mn.data(), out);
-  for (; r < n1; ++r)
-    quant_block<M, BITS, 1>(x, qw, scales, mins, xsum, bias, r, k, group, n, sc.data(),
-                            mn.data(), out);
+  std::vector<float> sc(static_cast<size_t>(k / group) + 1);
+  for (int64_t r = n0; r < n1; ++r)
+    quant_row<M, BITS>(x, qw, scales, mins, xsum, bias, r, k, group, n, sc.data(), out);
 }
 
-// All x rows against weight rows split over threads; x rows in passes of up to 8, inside
-// each thread's block of weight rows, so a block read from memory serves every pass from
-// cache.
 template <int BITS>
 void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
               const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
