@@ -237,6 +237,11 @@ def test_quantized_model_matches_transformers(tmp_path: pathlib.Path, family: st
     sizes = weight_bytes(model)
     full = weight_bytes(load_model(path, dtype=torch.float32))
     assert sizes.per_token < full.per_token
+    params = sum(p.numel() for p in load_model(path, dtype=torch.float32).parameters())
+    # float32 reads every weight (the embedding only where the head is tied to it)
+    embed = model.config.vocab_size * model.config.hidden_size
+    tied = family == "gemma3_text"
+    assert full.per_token == 4 * (params - (0 if tied else embed))
 
 
 def agreement(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
@@ -245,6 +250,15 @@ def agreement(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     kl = torch.nn.functional.kl_div(got.float().log_softmax(-1), expected.log_softmax(-1),
                                     log_target=True, reduction="batchmean").item()
     return top1, kl
+
+
+def test_weight_bytes_of_a_packed_tied_head(tmp_path: pathlib.Path) -> None:
+    """bf16 packs the head (a PackedLinear over the tied embedding): a decode step still
+    reads the whole table, once."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    model = load_model(path, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in load_model(path, dtype=torch.float32).parameters())
+    assert weight_bytes(model).per_token == 2 * params
 
 
 @kernel_only

@@ -160,8 +160,9 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     resident = per_token = 0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    lookup_only = (embed.weight if isinstance(embed, nn.Embedding) and not
-                   (isinstance(head, nn.Linear) and head.weight is embed.weight) else None)
+    # NOTE: the head may be packed (PackedLinear keeps the tied plain weight as `weight`).
+    tied = isinstance(embed, nn.Embedding) and getattr(head, "weight", None) is embed.weight
+    lookup_only = embed.weight if isinstance(embed, nn.Embedding) and not tied else None
     for module in model.modules():
         skip = module.packed if isinstance(module, PackedLinear) else None
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
