@@ -115,13 +115,9 @@ def test_kernel_against_float64_per_family_width(k: int, kind: str, group: int |
     for rows in (1, 3, 8, 13):  # 13: a second pass of x rows
         x = torch.randn(rows, k).to(torch.bfloat16)
         assert_matches_reference(cpu_quant.quant_linear(x, qw, None, tile_rows=16), x, qw)
-    for rows in (1, 9, 21):  # bf16 tiles (every row count), 96 weight rows: a partial tile
+    for rows in (1, 7, 21):  # tiles (any row count; passes of 6), 96 rows: a partial tile
         x = torch.randn(rows, k).to(torch.bfloat16)
-        tiled = cpu_quant.quant_linear(x, qw, None, tile_rows=0)
-        rounded = x.double() @ dequantize(qw, torch.bfloat16).double().T
-        sums = x.double().abs() @ dequantize(qw).double().abs().T
-        bound = rounded.abs() * 2**-8 + sums * 2**-16
-        assert bool(((tiled.double() - rounded).abs() <= bound + 1e-6).all())
+        assert_matches_reference(cpu_quant.quant_linear(x, qw, None, tile_rows=0), x, qw)
 
 
 @kernel_only
@@ -132,9 +128,7 @@ def test_kernel_bias_and_dequantize(kind: str, group: int | None) -> None:
     x = torch.randn(2, 128).to(torch.bfloat16)
     bias = torch.randn(40).to(torch.bfloat16)
     assert_matches_reference(cpu_quant.quant_linear(x, qw, bias), x, qw, bias)
-    tiled = cpu_quant.quant_linear(x, qw, bias, tile_rows=0)
-    ref = x.double() @ dequantize(qw, torch.bfloat16).double().T + bias.double()
-    torch.testing.assert_close(tiled.double(), ref, atol=1e-2, rtol=1e-2)
+    assert_matches_reference(cpu_quant.quant_linear(x, qw, bias, tile_rows=0), x, qw, bias)
     assert torch.equal(cpu_quant.dequantize_bf16(qw), dequantize(qw, torch.bfloat16))
 
 
@@ -159,9 +153,9 @@ def test_quant_linear_every_path(dtype: torch.dtype, kind: str, group: int | Non
     x = torch.randn(rows, 128).to(dtype)
     out = layer(x.view(1, rows, 128))
     assert out.shape == (1, rows, 72) and out.dtype == dtype
-    if dtype == torch.bfloat16 and rows <= TILE_ROWS and layer.kernel:
+    if dtype == torch.bfloat16 and layer.kernel:
         assert_matches_reference(out[0], x, qw)
-    else:  # tiles and the dense path multiply by the weight rounded to x's dtype
+    else:  # the dense path multiplies by the weight rounded to x's dtype
         ref = x.double() @ dequantize(qw, dtype).double().T
         torch.testing.assert_close(out[0].double(), ref, atol=1e-2 if dtype != torch.float32
                                    else 1e-4, rtol=1e-2 if dtype != torch.float32 else 1e-4)

@@ -4,12 +4,14 @@ Each file imports only the ones before it:
 
     errors.py       ModelLoadError, UnsupportedModelError: what every step raises
     find.py         presets, the cache folder, what a loadable HF folder must hold
-    convert.py      a preset or .gguf file -> a cached bfloat16 safetensors HF folder;
-                    `resolve_model`, which finds and (for presets and .gguf) converts
+    gguf_blocks.py  a GGUF file's quantized blocks repacked into `kernels/quant.py`'s layout
+    convert.py      a preset or .gguf file -> a cached bfloat16 safetensors HF folder, plus
+                    the file's own blocks beside it; `resolve_model`, which finds and (for
+                    presets and .gguf) converts
     checkpoint.py   reading a folder: config, tokenizer, weights, dtype
-    gguf_blocks.py  the quantize step (being written), between reading and building
-    quantize.py
-    build.py        our `CausalLM`, built, filled with the weights and packed
+    quantize.py     which weight-only method runs (none, int8, int4, gguf) and swapping the
+                    model's linears for quantized ones; the bytes the weights cost
+    build.py        our `CausalLM`, built, filled with the weights, quantized and packed
 
 A caller resolves first, then builds:
 

@@ -103,6 +103,12 @@ def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
 
         replaced = _replace(model, make)
     logger.info("quantization %s: %d linears quantized", method, replaced)
+    slow = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.kernel]
+    dtype = next(iter(model.parameters())).dtype
+    if slow or dtype != torch.bfloat16:
+        logger.warning("quantization %s without the compiled kernel (it needs bfloat16 "
+                       "activations and AVX512-BF16): every step widens the weights, slower "
+                       "than quantization='none'", method)
 
 
 def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:

@@ -9,9 +9,12 @@ Paths, by what the step is and what the machine has:
   rows (decode) read the packed weight once and widen it in registers; many rows (prefill,
   large batches) widen it block by block into cache-sized bf16 tiles, where arithmetic,
   not the weight read, is the cost.
-- elsewhere (float32 activations, no compiled kernels): int8 per channel runs torch's own
-  `_weight_int8pack_mm`; other layouts widen the weight per call (correct, slow: the start-up
-  log says so).
+- elsewhere (float32 activations, a CPU without AVX512-BF16 or without a compiler): the
+  weight is widened to the activations' dtype on every call, correct and slow (the start-up
+  log warns). torch's own packed low-bit CPU kernels were measured for this place and left
+  out: `_weight_int8pack_mm` read gemma's head at 13 GB/s with one row (ours: 23), and
+  `_weight_int4pack_mm_for_cpu`, 18 GB/s at one row, took 16 ms for the head at 8 rows
+  where bf16 takes 14 (its cost grows with every row).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("min_bits", None if qw.mins is None else qw.mins.view(torch.int16))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernel = cpu_quant.supports(qw)
-        self._int8_scales: torch.Tensor | None = None
         self._qw: QuantizedWeight | None = None
 
     @property
@@ -73,7 +75,6 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
         self._qw = None  # `.to(device)` and friends replace the buffers
-        self._int8_scales = None
         return super()._apply(fn, recurse)  # type: ignore[no-any-return,no-untyped-call]
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
@@ -86,18 +87,9 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.kernel and flat.dtype == torch.bfloat16:
             out = cpu_quant.quant_linear(flat, self.qw, self.bias, TILE_ROWS)
-        elif (flat.shape[0] <= TILE_ROWS and self.bits == 8 and self.group == self.in_features
-              and self.bias is None and flat.device.type == "cpu"):  # fmt: skip
-            out = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self._scales_as(flat))
         else:
             out = F.linear(flat, self.weight_as(flat.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _scales_as(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel scales in the activations' dtype, as `_weight_int8pack_mm` takes them."""
-        if self._int8_scales is None or self._int8_scales.dtype != x.dtype:
-            self._int8_scales = self.scale_bits.view(torch.float16).view(-1).to(x.dtype)
-        return self._int8_scales
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -274,47 +274,15 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
 }
 
 // Steps with many x rows (prefill chunks, large decode batches) are compute-bound: there
-// the weight is widened once per block of 32 rows into a bf16 tile in the layout dpbf16
-// multiplies best, pairs of k interleaved across the 32 rows (tile[p][i] = w[i][2p, 2p+1]),
-// and each x row's pair is broadcast against 16 rows at a time: 16 outputs a dpbf16, no
-// horizontal sums (the layout oneDNN's bf16 GEMM packs its weights into). The weight is
-// rounded to bf16 here, as a dense GEMM of the dequantized weight would round it.
+// each block of 32 weight rows is widened once into a tile in the layout dpbf16 multiplies
+// best, pairs of k interleaved across the 32 rows (tile[p][i] = w[i][2p, 2p+1]), and each
+// x row's pair is broadcast against 16 rows at a time: 16 outputs a dpbf16 and no
+// horizontal sums (the layout oneDNN's bf16 GEMM packs its weights into). The tile holds
+// the integer values themselves (4-bit as 128 + q, as widen_int4 makes them), exact in
+// bf16; each group's partial sums are multiplied by the 32 rows' scales as one vector, and
+// the mins added from the x sums, so the many-row path rounds what the few-row path does.
 constexpr int64_t kTile = 32;  // weight rows a tile: two vectors of 16 outputs
-
-// out[m, r0 + i] for x rows [0, MR) and the tile's rows; tile: [k / 2][kTile] uint32 pairs.
-template <int MR>
-void tile_rows(const uint16_t* x, int64_t k, const uint32_t* tile, int64_t valid,
-               const c10::BFloat16* bias, int64_t r0, int64_t n, c10::BFloat16* out) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * kTile);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * kTile + 16);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * k + 2 * p, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
-    }
-  }
-  __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  if (bias != nullptr) {
-    for (int h = 0; h < 2; ++h) {
-      alignas(64) float bv[16] = {};
-      for (int i = 0; i < 16 && h * 16 + i < valid; ++i) bv[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
-      b[h] = _mm512_load_ps(bv);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t left = valid - h * 16;
-      if (left <= 0) break;
-      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][h], b[h]));
-      _mm256_mask_storeu_epi16(out + m * n + r0 + h * 16, mask, v);
-    }
-}
+constexpr int kTileMR = 6;     // x rows a pass: 12 sums and 12 partial sums in registers
 
 // In place: r[i] lane j -> r[j] lane i (a 16 x 16 transpose of 32-bit values).
 inline void transpose16(__m512i r[16]) {
@@ -340,45 +308,141 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// Values j..j+31 of a row as exact bf16 integers (4-bit: 128 + q).
+template <int BITS>
+inline __m512i exact32(const uint8_t* row, int64_t j) {
+  if constexpr (BITS == 8) {
+    return (__m512i)widen_int8(reinterpret_cast<const int8_t*>(row) + j);
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (j / 64) * 32)));
+    const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+    const __m512i q = (j % 64) < 32 ? v : _mm512_srli_epi16(v, 4);
+    return _mm512_ternarylogic_epi32(q, nibble, exponent, 0xEA);
+  }
+}
+
+// out[m, r0 + i] for x rows [0, MR) and the tile's rows. sct, mnt: [groups][kTile] scales
+// and (4-bit) mins less 128 * scale; xsum: [MR][groups] (4-bit only).
+template <int MR, int BITS>
+void tile_rows(const uint16_t* x, int64_t k, int64_t group, const uint32_t* tile,
+               const float* sct, const float* mnt, const float* xsum, int64_t groups,
+               int64_t valid, const c10::BFloat16* bias, int64_t r0, int64_t n,
+               c10::BFloat16* out) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const int64_t gp = group / 2;  // pairs a group
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[MR][2];
+    for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
+    for (int64_t p = g * gp; p < (g + 1) * gp; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * kTile);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * kTile + 16);
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * k + 2 * p, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        part[m][0] = _mm512_dpbf16_ps(part[m][0], xv, w0);
+        part[m][1] = _mm512_dpbf16_ps(part[m][1], xv, w1);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(sct + g * kTile), s1 = _mm512_loadu_ps(sct + g * kTile + 16);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][0] = _mm512_fmadd_ps(part[m][0], s0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(part[m][1], s1, acc[m][1]);
+    }
+    if constexpr (BITS == 4) {
+      const __m512 m0 = _mm512_loadu_ps(mnt + g * kTile), m1 = _mm512_loadu_ps(mnt + g * kTile + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xs = _mm512_set1_ps(xsum[m * groups + g]);
+        acc[m][0] = _mm512_fmadd_ps(xs, m0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(xs, m1, acc[m][1]);
+      }
+    }
+  }
+  __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (bias != nullptr) {
+    for (int h = 0; h < 2; ++h) {
+      alignas(64) float bv[16] = {};
+      for (int i = 0; i < 16 && h * 16 + i < valid; ++i) bv[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
+      b[h] = _mm512_load_ps(bv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t left = valid - h * 16;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][h], b[h]));
+      _mm256_mask_storeu_epi16(out + m * n + r0 + h * 16, mask, v);
+    }
+}
+
+template <int BITS>
 void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
-               const c10::Half* mins, int64_t bits, const c10::BFloat16* bias, int64_t k,
+               const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
                int64_t group, int64_t n, c10::BFloat16* out) {
-  const int64_t kp = k / 2;
+  const int64_t kp = k / 2, groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
   at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<c10::BFloat16> rowbuf(static_cast<size_t>(kTile * k));
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
+    std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kTile, valid = std::min(kTile, n - r0);
-      for (int64_t i = 0; i < kTile; ++i) {
-        c10::BFloat16* row = rowbuf.data() + i * k;
-        if (i < valid)
-          dequant_row(qw, scales, mins, bits, group, k, r0 + i, row);
-        else
-          std::memset(static_cast<void*>(row), 0, static_cast<size_t>(k) * sizeof(*row));
+      // Scales (and mins less 128 * scale) as float32, transposed 16 groups x 16 rows at a
+      // time; 0 past the last row.
+      const auto* sh = reinterpret_cast<const uint16_t*>(scales);
+      const auto* mh = reinterpret_cast<const uint16_t*>(mins);
+      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const int64_t width = std::min<int64_t>(16, groups - g0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+        for (int64_t h = 0; h < kTile; h += 16) {
+          __m512i sb[16], mb[16];
+          for (int i = 0; i < 16; ++i) {
+            const int64_t r = r0 + h + i;
+            const bool in = h + i < valid;
+            const __m512 sv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sh + r * groups + g0))
+                                 : _mm512_setzero_ps();
+            sb[i] = _mm512_castps_si512(sv);
+            if constexpr (BITS == 4) {
+              const __m512 mv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mh + r * groups + g0))
+                                   : _mm512_setzero_ps();
+              mb[i] = _mm512_castps_si512(_mm512_fnmadd_ps(_mm512_set1_ps(kInt4Offset), sv, mv));
+            }
+          }
+          transpose16(sb);
+          if constexpr (BITS == 4) transpose16(mb);
+          for (int64_t c = 0; c < width; ++c) {
+            _mm512_storeu_si512(sct.data() + (g0 + c) * kTile + h, sb[c]);
+            if constexpr (BITS == 4) _mm512_storeu_si512(mnt.data() + (g0 + c) * kTile + h, mb[c]);
+          }
+        }
       }
-      // 32 rows of k / 2 pairs -> k / 2 pairs of 32 rows, 16 x 16 blocks in registers.
-      const auto* pairs = reinterpret_cast<const uint32_t*>(rowbuf.data());
-      for (int64_t p0 = 0; p0 < kp; p0 += 16)
+      for (int64_t j = 0; j < k; j += 32)  // 16 pairs of 16 rows a transpose
         for (int64_t h = 0; h < kTile; h += 16) {
           __m512i block[16];
-          for (int i = 0; i < 16; ++i) block[i] = _mm512_loadu_si512(pairs + (h + i) * kp + p0);
+          for (int i = 0; i < 16; ++i)
+            block[i] = h + i < valid ? exact32<BITS>(qw + (r0 + h + i) * row_bytes, j)
+                                     : _mm512_setzero_si512();
           transpose16(block);
-          for (int c = 0; c < 16; ++c) _mm512_storeu_si512(tile.data() + (p0 + c) * kTile + h, block[c]);
+          for (int c = 0; c < 16; ++c)
+            _mm512_storeu_si512(tile.data() + (j / 2 + c) * kTile + h, block[c]);
         }
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kTileMR) {
         const uint16_t* xp = x + m0 * k;
+        const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
         c10::BFloat16* op = out + m0 * n;
-        const uint32_t* tp = tile.data();
-        switch (std::min(kMaxRows, rows - m0)) {
-          case 1: tile_rows<1>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 2: tile_rows<2>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 3: tile_rows<3>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 4: tile_rows<4>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 5: tile_rows<5>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 6: tile_rows<6>(xp, k, tp, valid, bias, r0, n, op); break;
-          case 7: tile_rows<7>(xp, k, tp, valid, bias, r0, n, op); break;
-          default: tile_rows<8>(xp, k, tp, valid, bias, r0, n, op);
+#define RS_TILE(R)                                                                        \
+  case R:                                                                                 \
+    tile_rows<R, BITS>(xp, k, group, tile.data(), sct.data(), mnt.data(), xs, groups,     \
+                       valid, bias, r0, n, op);                                           \
+    break;
+        switch (std::min<int64_t>(kTileMR, rows - m0)) {
+          RS_TILE(1) RS_TILE(2) RS_TILE(3) RS_TILE(4) RS_TILE(5)
+          default:
+            tile_rows<kTileMR, BITS>(xp, k, group, tile.data(), sct.data(), mnt.data(), xs,
+                                     groups, valid, bias, r0, n, op);
         }
+#undef RS_TILE
       }
     }
   });
@@ -404,7 +468,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   auto out = at::empty({rows, n}, x.options());
   const int64_t groups = k / group;
   std::vector<float> xsum;
-  if (bits == 4 && rows <= tile_rows) {  // sum of each x row over each group, for the mins
+  if (bits == 4) {  // sum of each x row over each group, for the mins
     xsum.assign(static_cast<size_t>(rows * groups), 0.f);
     const auto* xp = xc.data_ptr<c10::BFloat16>();
     for (int64_t m = 0; m < rows; ++m)
@@ -420,8 +484,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
   const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
-  if (rows > tile_rows)
-    run_tiles(xp, rows, qp, sp, mp, bits, bp, k, group, n, op);
+  if (rows > tile_rows && bits == 8)
+    run_tiles<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
+  else if (rows > tile_rows)
+    run_tiles<4>(xp, rows, qp, sp, mp, xsum.data(), bp, k, group, n, op);
   else if (bits == 8)
     run_rows<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
   else
