@@ -229,10 +229,6 @@ def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: s
             gguf = source(tmp)
             out = tmp / "hf"
             convert_gguf(gguf, out, label=label)
-            # The file's own quantized blocks, repacked for `--quantization gguf`.
-            saved = gguf_blocks.save_blocks(gguf, out)
-            _match_modes(out)
-            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
             seconds = time.monotonic() - started
             provenance = {"source": str(gguf), "label": label, "seconds": round(seconds, 1)}
             (out / _SOURCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
@@ -254,7 +250,8 @@ def _match_modes(out: Path) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
-    """Dequantize a GGUF with transformers and save it as a bfloat16 safetensors HF folder.
+    """Dequantize a GGUF with transformers and save it as a bfloat16 safetensors HF folder,
+    with the file's own quantized blocks repacked beside it (`gguf_blocks.save_blocks`).
 
     Args:
         gguf: the GGUF file.
@@ -267,7 +264,7 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    steps = tqdm(total=3, desc=f"{label}: dequantizing weights", unit="step", leave=True)
+    steps = tqdm(total=4, desc=f"{label}: dequantizing weights", unit="step", leave=True)
     try:
         with steps:
             # NOTE: dequantize=True: transformers 5 keeps some architectures' weights packed
@@ -296,8 +293,13 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
                 str(gguf.parent), gguf_file=gguf.name, local_files_only=True
             )
             tokenizer.save_pretrained(str(out))
+            steps.update()
+            steps.set_description_str(f"{label}: repacking its quantized blocks")
+            # The file's own quantized blocks, for `--quantization gguf`.
+            saved = gguf_blocks.save_blocks(gguf, out)
             _match_modes(out)
             steps.update()
+            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
     except ModelLoadError:
         raise
     except Exception as err:  # transformers raises many kinds for a file it cannot read

@@ -19,6 +19,7 @@ rows it reads. Quantized weights run on the CPU: on CUDA every method but none i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,8 @@ def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     return None  # a width the kernel does not read: the layer stays in the model's dtype
 
 
-def _replace(model: nn.Module, make: object) -> int:
+def _replace(model: nn.Module,
+             make: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
     """Swap every `nn.Linear` for which ``make(weight name, linear)`` gives a weight."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -132,7 +134,7 @@ def _replace(model: nn.Module, make: object) -> int:
                if type(child) is nn.Linear]  # fmt: skip
     count = 0
     for parent, child_name, child, path in targets:
-        qw = make(f"{path}.weight", child)  # type: ignore[operator]
+        qw = make(f"{path}.weight", child)
         if qw is None:
             continue
         if qw.shape != tuple(child.weight.shape):
