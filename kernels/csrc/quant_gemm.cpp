@@ -23,6 +23,8 @@
 
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -127,6 +129,19 @@ inline void widen64(const uint8_t* row, int64_t j, __m512bh& w0, __m512bh& w1) {
     w1 = widen_int8(reinterpret_cast<const int8_t*>(row) + j + 32);
   } else {
     widen_int4(row + j / 2, w0, w1);
+  }
+}
+
+// f(std::integral_constant<int, r>{}) for the compile-time r == rows (1 <= rows <= R): the
+// kernels are unrolled per row count.
+template <int R, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (rows >= R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_rows<R - 1>(rows, std::forward<F>(f));
   }
 }
 
@@ -259,15 +274,10 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
         const uint16_t* xp = x + m0 * k;
         const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
         c10::BFloat16* op = out + m0 * n;
-#define RS_CASE(R)                                                                 \
-  case R:                                                                          \
-    quant_rows<R, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k, group, n, op);  \
-    break;
-        switch (std::min(kMaxRows, rows - m0)) {
-          RS_CASE(1) RS_CASE(2) RS_CASE(3) RS_CASE(4) RS_CASE(5) RS_CASE(6) RS_CASE(7)
-          default: quant_rows<8, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k, group, n, op);
-        }
-#undef RS_CASE
+        with_rows<kMaxRows>(rows - m0, [&](auto r) {
+          quant_rows<decltype(r)::value, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k,
+                                               group, n, op);
+        });
       }
     }
   });
@@ -431,18 +441,10 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
         const uint16_t* xp = x + m0 * k;
         const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
         c10::BFloat16* op = out + m0 * n;
-#define RS_TILE(R)                                                                        \
-  case R:                                                                                 \
-    tile_rows<R, BITS>(xp, k, group, tile.data(), sct.data(), mnt.data(), xs, groups,     \
-                       valid, bias, r0, n, op);                                           \
-    break;
-        switch (std::min<int64_t>(kTileMR, rows - m0)) {
-          RS_TILE(1) RS_TILE(2) RS_TILE(3) RS_TILE(4) RS_TILE(5)
-          default:
-            tile_rows<kTileMR, BITS>(xp, k, group, tile.data(), sct.data(), mnt.data(), xs,
-                                     groups, valid, bias, r0, n, op);
-        }
-#undef RS_TILE
+        with_rows<kTileMR>(rows - m0, [&](auto r) {
+          tile_rows<decltype(r)::value, BITS>(xp, k, group, tile.data(), sct.data(),
+                                              mnt.data(), xs, groups, valid, bias, r0, n, op);
+        });
       }
     }
   });
