@@ -2,7 +2,7 @@
 
 `csrc/quant_gemm.cpp` reads the packed weight (`kernels/quant.py`'s layout) once, widens it
 in registers and dots it with every row by AVX512-BF16's dpbf16 (exact products, float32
-sums); `dequantize_bf16` writes the full bf16 weight for steps with many rows.
+sums); steps of many rows widen it block by block into cache-sized tiles.
 """
 
 from __future__ import annotations
@@ -30,11 +30,4 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     """
     out: torch.Tensor = torch.ops.ringserve.quant_linear(
         x, qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, bias, tile_rows)
-    return out
-
-
-def dequantize_bf16(qw: QuantizedWeight) -> torch.Tensor:
-    """The full weight [n, k] in bf16, as `kernels.quant.dequantize(qw, torch.bfloat16)`."""
-    out: torch.Tensor = torch.ops.ringserve.quant_dequantize(
-        qw.qweight, qw.scales, qw.mins, qw.bits, qw.group)
     return out

@@ -34,9 +34,11 @@ logger = logging.getLogger("ringserve.engine")
 
 # NOTE: steps of at most this many rows read the packed weight, widened in registers; more
 # rows widen it once per block of 32 weight rows into a bf16 tile and multiply from cache.
-# Measured on gemma-3-270m's shapes (2 cores, AVX512-BF16): even at 8-16 rows, the tile
-# 1.4-2.8x faster from 32 rows on (and within 1.2x of oneDNN's packed bf16 GEMM at 256).
+# Measured on gemma-3-270m's shapes (2 cores, AVX512-BF16): the two are about even at 8-12
+# rows, the tiles 1.4-2.5x faster from 32 rows on (within 1.2x of oneDNN's packed bf16 GEMM
+# at 256 rows).
 TILE_ROWS = 12
+
 
 class QuantLinear(nn.Module):
     """`nn.Linear` over a `QuantizedWeight` (plus an optional bias in the model's dtype).
@@ -77,18 +79,12 @@ class QuantLinear(nn.Module):
         self._qw = None  # `.to(device)` and friends replace the buffers
         return super()._apply(fn, recurse)  # type: ignore[no-any-return,no-untyped-call]
 
-    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The full weight [n, k] in ``dtype``."""
-        if dtype == torch.bfloat16 and self.kernel:
-            return cpu_quant.dequantize_bf16(self.qw)
-        return dequantize(self.qw, dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.kernel and flat.dtype == torch.bfloat16:
             out = cpu_quant.quant_linear(flat, self.qw, self.bias, TILE_ROWS)
         else:
-            out = F.linear(flat, self.weight_as(flat.dtype), self.bias)
+            out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,17 +1,19 @@
 // y = x w^T + b for bf16 activations and a weight-only int8 or 4-bit weight (kernels/quant.py
-// defines the layout): the quantized decode step's GEMV, at memory speed.
+// defines the layout).
 //
 // A decode step reads every weight once; with 1 byte (int8) or half a byte (4-bit) a value
-// instead of bf16's 2, it reads 2x or ~3.5x fewer bytes. Each chunk of a weight row is
-// loaded once, widened to bf16 in registers, and dotted with every x row by AVX512-BF16's dpbf16 (exact
-// products, float32 sums). A group's partial sums are multiplied by its scale once; 4-bit
-// mins are added as min * sum(x over the group), the sums precomputed once per call.
-// The 4-bit values become bf16 with two bit operations (see widen_int4): a decode step's
-// cost is the instructions spent per weight byte as much as the bytes themselves.
-// Weight rows are split over threads.
+// instead of bf16's 2, it reads 2x or ~3.5x fewer bytes. Steps of a few rows (run_rows):
+// each chunk of a weight row is loaded once, widened to bf16 in registers and dotted with
+// every x row by AVX512-BF16's dpbf16 (exact products, float32 sums); a group's partial
+// sums are multiplied by its scale once; 4-bit mins are added as min * sum(x over the
+// group), the sums precomputed once per call. The 4-bit values become bf16 with two bit
+// operations (see widen_int4): a decode step's cost is the instructions spent per weight
+// byte as much as the bytes themselves.
 //
-// `quant_dequantize` writes the bf16 weight, for steps with many rows (prefill), which
-// then run oneDNN's GEMM: there the arithmetic, not the weight read, is the cost.
+// Steps of many rows (run_tiles: prefill, large batches) are compute-bound: blocks of 32
+// weight rows are widened once into cache-sized tiles in dpbf16's pair layout, against
+// which each x row is broadcast, 16 outputs an instruction. Weight rows are split over
+// threads in both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,50 +55,6 @@ void check_layout(const at::Tensor& qweight, const at::Tensor& scales,
   TORCH_CHECK(bits == 8 || (mins.has_value() && mins->scalar_type() == at::kHalf &&
                             mins->is_contiguous() && mins->sizes() == scales.sizes()),
               "quant: 4-bit weights need float16 mins shaped like scales");
-}
-
-// Row r of the weight as bf16 (q * scale (+ min) in float32, rounded once) into o[0, k).
-// NOTE: simple loops over runs of one scale, so that the compiler vectorises them.
-void dequant_row(const uint8_t* qp, const c10::Half* sp, const c10::Half* mp, int64_t bits,
-                 int64_t group, int64_t k, int64_t r, c10::BFloat16* o) {
-  const int64_t groups = k / group;
-  const c10::Half* rs = sp + r * groups;
-  if (bits == 8) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(qp) + r * k;
-#if defined(__AVX512BF16__)
-    // NOTE: by hand: the compiler left this loop scalar (1 ns a value).
-    for (int64_t j = 0; j < k; j += 32) {  // k % 32 == 0; halves of 16 in one group each
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-      const __m512 s0 = _mm512_set1_ps(static_cast<float>(rs[j / group]));
-      const __m512 s1 = _mm512_set1_ps(static_cast<float>(rs[(j + 16) / group]));
-      _mm512_storeu_si512(o + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s1),
-                                                               _mm512_mul_ps(lo, s0)));
-    }
-#else
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = static_cast<float>(rs[g]);
-#pragma omp simd
-      for (int64_t j = g * group; j < (g + 1) * group; ++j)
-        o[j] = ringserve::from_f<c10::BFloat16>(static_cast<float>(q[j]) * s);
-    }
-#endif
-    return;
-  }
-  const uint8_t* q = qp + r * (k / 2);
-  const c10::Half* rm = mp + r * groups;
-  for (int64_t j0 = 0; j0 < k; j0 += 64) {  // a chunk: 32 bytes, two halves of 32 values
-    const uint8_t* b = q + j0 / 2;
-    const float s0 = static_cast<float>(rs[j0 / group]), m0 = static_cast<float>(rm[j0 / group]);
-    const float s1 = static_cast<float>(rs[(j0 + 32) / group]);
-    const float m1 = static_cast<float>(rm[(j0 + 32) / group]);
-#pragma omp simd
-    for (int i = 0; i < 32; ++i) {
-      o[j0 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] & 0x0F) * s0 + m0);
-      o[j0 + 32 + i] = ringserve::from_f<c10::BFloat16>(static_cast<float>(b[i] >> 4) * s1 + m1);
-    }
-  }
 }
 
 #if defined(__AVX512BF16__)
@@ -500,22 +458,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 #endif
 }
 
-// The full weight [n, k] in bf16 (q * scale (+ min), in float32, rounded once).
-at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
-                            const std::optional<at::Tensor>& mins, int64_t bits, int64_t group) {
-  const int64_t n = qweight.size(0), k = bits == 8 ? qweight.size(1) : qweight.size(1) * 2;
-  check_layout(qweight, scales, mins, bits, group, k);
-  auto out = at::empty({n, k}, qweight.options().dtype(at::kBFloat16));
-  const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const auto* sp = scales.data_ptr<c10::Half>();
-  const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
-  auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequant_row(qp, sp, mp, bits, group, k, r, op + r * k);
-  });
-  return out;
-}
-
 bool quant_linear_supported() {
 #if defined(__AVX512BF16__)
   return true;
@@ -529,12 +471,9 @@ bool quant_linear_supported() {
 TORCH_LIBRARY_FRAGMENT(ringserve, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
-  m.def("quant_dequantize(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group) "
-        "-> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
 }
 
 TORCH_LIBRARY_IMPL(ringserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
-  m.impl("quant_dequantize", &quant_dequantize);
 }
