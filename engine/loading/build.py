@@ -56,12 +56,10 @@ def load_model(
     model.load_weights(iter_weights(path))
     # NOTE: float weights are fused before they are quantized; GGUF blocks arrive one
     # tensor at a time and are fused by `quantize_model` where their block types agree.
-    fuse = quantization in ("int8", "int4") or (
-        quantization == "none" and pack and can_pack(dtype, torch.device(device)))
-    if fuse:
+    if quantization in ("int8", "int4"):
         fuse_projections(model)
     quantize_model(model, quantization, Path(path))
     if pack and can_pack(dtype, torch.device(device)):
-        fuse_projections(model)  # what the quantize step left in float, if anything
+        fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)
     return model.eval()

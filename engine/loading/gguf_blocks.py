@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from engine.loading.find import weight_files
 from kernels.quant import INT4_CHUNK, QuantizedWeight, pack_int4
 
 __all__ = ["SUPPORTED_TYPES", "gguf_tensor_names", "read_linears", "repack"]
@@ -345,7 +346,7 @@ def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str
     from safetensors.torch import save_file
 
     names: list[str] = []
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in weight_files(Path(folder)):
         with safe_open(str(file), framework="pt") as handle:
             names += [n for n in handle.keys()  # noqa: SIM118 (a safe_open handle)
                       if len(handle.get_slice(n).get_shape()) == 2]  # fmt: skip

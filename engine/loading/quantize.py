@@ -121,13 +121,20 @@ def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
     return None  # a width the kernel does not read: the layer stays in the model's dtype
 
 
+def _embedding(model: nn.Module) -> tuple[nn.Embedding | None, bool]:
+    """The model's float embedding (None once quantized) and whether the head reads its
+    table (a tied head, plain or packed: `PackedLinear` keeps the plain weight)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding):
+        return None, False
+    return embed, getattr(getattr(model, "lm_head", None), "weight", None) is embed.weight
+
+
 def _replace(model: nn.Module,
              make: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
     """Swap every `nn.Linear` for which ``make(weight name, linear)`` gives a weight."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    embed, tied = _embedding(model)
     head = getattr(model, "lm_head", None)
-    tied = (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)
-            and head.weight is embed.weight)  # fmt: skip
     targets = [(parent, child_name, child, f"{prefix}.{child_name}".lstrip("."))
                for prefix, parent in model.named_modules()
                for child_name, child in parent.named_children()
@@ -166,11 +173,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     copies (the decode path reads the plain one)."""
     seen: set[int] = set()
     resident = per_token = 0
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    # NOTE: the head may be packed (PackedLinear keeps the tied plain weight as `weight`).
-    tied = isinstance(embed, nn.Embedding) and getattr(head, "weight", None) is embed.weight
-    lookup_only = embed.weight if isinstance(embed, nn.Embedding) and not tied else None
+    embed, tied = _embedding(model)
+    lookup_only = embed.weight if embed is not None and not tied else None
     for module in model.modules():
         skip = module.packed if isinstance(module, PackedLinear) else None
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
