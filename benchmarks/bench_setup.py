@@ -235,17 +235,16 @@ def instrument(llm: LLM) -> StepLog:
 
 
 def kv_bytes(llm: LLM, seq_id: int) -> int:
-    """Bytes of KV a sequence holds now: its blocks per layer group x bytes per block."""
+    """Bytes of KV a sequence holds now: its blocks in every layer group x bytes per block."""
     kv = llm.engine.kv
-    return sum(len(blocks) * kv.spec.bytes_per_block(g)
-               for g, blocks in enumerate(kv.block_tables(seq_id)))  # fmt: skip
+    return sum(len(blocks) for blocks in kv.block_tables(seq_id)) * kv.spec.block_bytes
 
 
 def full_cache_bytes(llm: LLM, num_tokens: int) -> int:
     """Bytes a full (non-ring) paged cache of the same layers holds for `num_tokens`."""
     spec = llm.engine.kv.spec
     blocks = -(-num_tokens // spec.block_size)
-    return sum(blocks * spec.bytes_per_block(g) for g in range(len(spec.groups)))
+    return blocks * len(spec.groups) * spec.block_bytes
 
 
 def record_release(llm: LLM) -> list[tuple[int, int]]:

@@ -34,7 +34,7 @@ def run(window: int | None, sequences: int, tokens: int,
     spec = KVCacheSpec(block_size=block_size, dtype_bytes=2,
                        groups=group_layers([window], num_kv_heads=8, head_dim=128))
     need = spec.blocks_needed(tokens)[0]
-    kv = KVCacheManager(spec, [need * sequences * 2], max_model_len=tokens)
+    kv = KVCacheManager(spec, need * sequences * 2, max_model_len=tokens)
     long_ids, fresh_ids = range(sequences), range(sequences, 2 * sequences)
     for s in range(2 * sequences):
         kv.admit(s, 1, tokens - 1)

@@ -1,4 +1,4 @@
-"""Ring KV block management, in pure Python (no torch): pools, block tables, budget."""
+"""Ring KV block management, in pure Python (no torch): one pool, block tables, budget."""
 
 from block_manager.budget import (
     Capacity,
@@ -6,8 +6,10 @@ from block_manager.budget import (
     LayerGroup,
     capacity,
     group_layers,
+    layers_per_group,
     parse_size,
     plan_num_blocks,
+    sequences_that_fit,
 )
 from block_manager.manager import KVCacheError, KVCacheManager, KVStats, RequestTooLargeError
 from block_manager.pool import BlockPool, BlockPoolError
@@ -29,8 +31,10 @@ __all__ = [
     "blocks_for_tokens",
     "capacity",
     "group_layers",
+    "layers_per_group",
     "parse_size",
     "plan_num_blocks",
     "ring_length",
+    "sequences_that_fit",
     "table_index",
 ]

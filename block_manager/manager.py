@@ -1,11 +1,12 @@
-"""Per-sequence block tables over per-group pools, with admission against reservations."""
+"""Per-sequence block tables over one pool shared by every layer group, with admission
+against reservations."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from block_manager.budget import Capacity, KVCacheSpec, capacity
+from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
 from block_manager.table import SKIP_SLOT, BlockTable
 
@@ -20,7 +21,8 @@ class KVCacheError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVStats:
-    """A snapshot of the cache's counters and gauges (summed over groups unless per-group)."""
+    """A snapshot of the pool's counters and gauges; per-group tuples follow `group_names`
+    (one entry per window: the groups of one window summed)."""
 
     blocks_total: int
     blocks_used: int
@@ -29,9 +31,9 @@ class KVStats:
     ring_slot_overwrites: int
     read_misses: int
     num_sequences: int
+    group_names: tuple[str, ...]
     blocks_used_per_group: tuple[int, ...]
     blocks_reserved_per_group: tuple[int, ...]
-    blocks_total_per_group: tuple[int, ...]
 
 
 class _SeqState:
@@ -44,43 +46,43 @@ class _SeqState:
 
 
 class KVCacheManager:
-    """Owns the block pools of every layer group and every sequence's tables.
+    """Owns the one block pool of every layer group and every sequence's tables.
 
     A sequence is admitted with the number of tokens it may ever hold (prompt +
-    max_tokens); its per-group reservation ``min(ceil(n / b), R)`` is set aside, so the
-    blocks it later takes lazily are always there: no preemption, ever.
+    max_tokens); its reservation, the sum over groups of ``min(ceil(n / b), R)`` blocks, is
+    set aside in the pool, so the blocks it later takes lazily are always there: no
+    preemption, ever. Memory one group does not need serves another.
 
     Args:
         spec: block size, dtype size and layer groups.
-        num_blocks: blocks per group (see `budget.plan_num_blocks`).
+        num_blocks: blocks in the pool (see `budget.plan_num_blocks`).
         max_model_len: the longest sequence served (used in the capacity statement).
         debug: check every cached position a step reads (O(window) per sequence and
             step) instead of only the oldest and newest ones (O(1)). Either way a shadow
-            records which (sequence, position) each slot holds, and `check_reads` counts
-            the reads that would find another owner: read misses.
+            records which (group, sequence, position) each slot holds, and `check_reads`
+            counts the reads that would find another owner: read misses.
     """
 
     def __init__(
         self,
         spec: KVCacheSpec,
-        num_blocks: Sequence[int],
+        num_blocks: int,
         *,
         max_model_len: int,
         debug: bool = False,
     ) -> None:
-        if len(num_blocks) != len(spec.groups):
-            raise ValueError(f"need one block count per group ({len(spec.groups)})")
         self.spec = spec
         self.max_model_len = max_model_len
-        self.pools = [BlockPool(n) for n in num_blocks]
+        self.pool = BlockPool(num_blocks)
         self.ring_blocks = [spec.ring_blocks(i) for i in range(len(spec.groups))]
         self.debug = debug
         self._seqs: dict[Hashable, _SeqState] = {}
-        self._reserved = [0] * len(spec.groups)
+        self._reserved = 0
+        self._reserved_per_group = [0] * len(spec.groups)
         self._recycles = 0
         self._overwrites = 0
         self._read_misses = 0
-        self._shadow: list[dict[int, tuple[Hashable, int]]] = [{} for _ in spec.groups]
+        self._shadow: dict[int, tuple[int, Hashable, int]] = {}
 
     # -- admission ---------------------------------------------------------------------
 
@@ -89,24 +91,20 @@ class KVCacheManager:
         return self.spec.blocks_needed(prompt_len + max_tokens)
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise `RequestTooLargeError` if the request could never fit the pools."""
-        need = self.reservation(prompt_len, max_tokens)
-        for i, (n, pool) in enumerate(zip(need, self.pools, strict=True)):
-            if n > pool.num_blocks:
-                raise RequestTooLargeError(
-                    f"request needs {n} blocks of {self.spec.block_size} tokens in layer "
-                    f"group {self.spec.groups[i].name} (prompt {prompt_len} + max_tokens "
-                    f"{max_tokens} = {prompt_len + max_tokens} tokens) but the whole pool "
-                    f"holds {pool.num_blocks}; it can never be admitted"
-                )
+        """Raise `RequestTooLargeError` if the request could never fit the pool."""
+        n = sum(self.reservation(prompt_len, max_tokens))
+        if n > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"request needs {n} KV blocks of {self.spec.block_size} tokens over all "
+                f"layer groups (prompt {prompt_len} + max_tokens {max_tokens} = "
+                f"{prompt_len + max_tokens} tokens) but the whole pool holds "
+                f"{self.pool.num_blocks}; it can never be admitted"
+            )
 
     def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
         """True if the request's reservation fits beside every admitted one right now."""
-        need = self.reservation(prompt_len, max_tokens)
-        return all(
-            r + n <= pool.num_blocks
-            for r, n, pool in zip(self._reserved, need, self.pools, strict=True)
-        )
+        need = sum(self.reservation(prompt_len, max_tokens))
+        return self._reserved + need <= self.pool.num_blocks
 
     def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int) -> None:
         """Reserve a sequence's blocks; its tables start empty and fill lazily.
@@ -121,12 +119,10 @@ class KVCacheManager:
         if not self.can_admit(prompt_len, max_tokens):
             raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
         need = self.reservation(prompt_len, max_tokens)
+        self._reserved += sum(need)
         for i, n in enumerate(need):
-            self._reserved[i] += n
-        tables = [
-            BlockTable(pool, self.spec.block_size, ring)
-            for pool, ring in zip(self.pools, self.ring_blocks, strict=True)
-        ]
+            self._reserved_per_group[i] += n
+        tables = [BlockTable(self.pool, self.spec.block_size, ring) for ring in self.ring_blocks]
         self._seqs[seq_id] = _SeqState(tables, need, prompt_len + max_tokens)
 
     def release(self, seq_id: Hashable) -> None:
@@ -134,9 +130,10 @@ class KVCacheManager:
         state = self._state(seq_id)
         for i, table in enumerate(state.tables):
             for block in table.blocks:
-                self._forget_block(i, block)
+                self._forget_block(block)
             table.free()
-            self._reserved[i] -= state.reserved[i]
+            self._reserved_per_group[i] -= state.reserved[i]
+        self._reserved -= sum(state.reserved)
         del self._seqs[seq_id]
 
     # -- per step ----------------------------------------------------------------------
@@ -184,15 +181,15 @@ class KVCacheManager:
             Read misses found now (also added to the counter).
         """
         misses = 0
+        shadow = self._shadow
         for i, table in enumerate(self._state(seq_id).tables):
             window = self.spec.groups[i].window
             lo = 0 if window is None else max(0, query_start - window + 1)
             if lo >= query_start:
                 continue
-            shadow = self._shadow[i]
             positions = range(lo, query_start) if self.debug else {lo, query_start - 1}
             for p in positions:
-                if shadow.get(table.slot(p)) != (seq_id, p):
+                if shadow.get(table.slot(p)) != (i, seq_id, p):
                     misses += 1
         self._read_misses += misses
         return misses
@@ -200,23 +197,31 @@ class KVCacheManager:
     # -- reporting ---------------------------------------------------------------------
 
     def stats(self) -> KVStats:
-        used = tuple(p.num_used for p in self.pools)
-        total = tuple(p.num_blocks for p in self.pools)
+        names = self.spec.names()
+        held = [0] * len(self.spec.groups)
+        for state in self._seqs.values():
+            for i, table in enumerate(state.tables):
+                held[i] += len(table.blocks)
         return KVStats(
-            blocks_total=sum(total),
-            blocks_used=sum(used),
-            blocks_reserved=sum(self._reserved),
+            blocks_total=self.pool.num_blocks,
+            blocks_used=self.pool.num_used,
+            blocks_reserved=self._reserved,
             ring_block_recycles=self._recycles,
             ring_slot_overwrites=self._overwrites,
             read_misses=self._read_misses,
             num_sequences=len(self._seqs),
-            blocks_used_per_group=used,
-            blocks_reserved_per_group=tuple(self._reserved),
-            blocks_total_per_group=total,
+            group_names=tuple(names),
+            blocks_used_per_group=tuple(sum(held[i] for i in m) for m in names.values()),
+            blocks_reserved_per_group=tuple(
+                sum(self._reserved_per_group[i] for i in m) for m in names.values()),
         )
 
     def capacity(self) -> Capacity:
-        return capacity(self.spec, [p.num_blocks for p in self.pools], self.max_model_len)
+        return capacity(self.spec, self.pool.num_blocks, self.max_model_len)
+
+    def sequences_that_fit(self, tokens: int) -> int:
+        """Sequences of ``tokens`` tokens (prompt + max_tokens) the pool holds at once."""
+        return sequences_that_fit(self.spec, self.pool.num_blocks, tokens)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -230,13 +235,13 @@ class KVCacheManager:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
     def _record(self, group: int, seq_id: Hashable, start: int, slots: list[int]) -> None:
-        shadow = self._shadow[group]
+        shadow = self._shadow
         for offset, slot in enumerate(slots):
             if slot != SKIP_SLOT:
-                shadow[slot] = (seq_id, start + offset)
+                shadow[slot] = (group, seq_id, start + offset)
 
-    def _forget_block(self, group: int, block: int) -> None:
+    def _forget_block(self, block: int) -> None:
         b = self.spec.block_size
-        shadow = self._shadow[group]
+        shadow = self._shadow
         for slot in range(block * b, (block + 1) * b):
             shadow.pop(slot, None)

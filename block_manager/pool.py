@@ -10,7 +10,7 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    """The physical blocks of one KV cache (one layer group), as plain integer ids.
+    """The physical blocks of the KV cache (shared by every layer group), as plain integer ids.
 
     Ids are handed out oldest-freed first (a FIFO queue), which keeps allocation order
     deterministic and easy to narrate in tests. The pool never grows.

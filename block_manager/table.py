@@ -21,7 +21,7 @@ class BlockTable:
     ring; once the ring is full, logical block ``k`` reuses entry ``k % R`` in place.
 
     Args:
-        pool: the group's block pool.
+        pool: the block pool (shared by every layer group).
         block_size: tokens per block ``b``.
         ring_blocks: ring length ``R``, or None for a full-attention group.
     """

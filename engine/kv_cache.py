@@ -1,8 +1,6 @@
-"""The KV cache tensors: one pair per layer, shaped by its layer group's pool."""
+"""The KV cache tensors: one pool of blocks, a (K, V) pair per layer of a block."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -31,23 +29,28 @@ def layer_group_index(spec: KVCacheSpec, num_layers: int) -> list[int]:
 
 def allocate_kv_caches(
     spec: KVCacheSpec,
-    num_blocks: Sequence[int],
+    num_blocks: int,
     num_layers: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> KVCaches:
-    """Zeroed ``[num_blocks_g, block_size, kv_heads, head_dim]`` K and V tensors per layer."""
-    groups = layer_group_index(spec, num_layers)
-    caches = []
-    for layer in range(num_layers):
-        g = groups[layer]
-        group = spec.groups[g]
-        shape = (num_blocks[g], spec.block_size, group.num_kv_heads, group.head_dim)
-        caches.append(
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-        )
-    return caches
+    """Per layer, its (K, V) cache: the j-th layer of every group shares pair j.
+
+    ``spec.layers_per_block`` zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` pairs;
+    a block id belongs to one group of one sequence at a time, so the layers sharing a
+    pair never touch the same block.
+    """
+    g0 = spec.groups[0]
+    shape = (num_blocks, spec.block_size, g0.num_kv_heads, g0.head_dim)
+    pairs = [(torch.zeros(shape, dtype=dtype, device=device),
+              torch.zeros(shape, dtype=dtype, device=device))
+             for _ in range(spec.layers_per_block)]
+    caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+    for group in spec.groups:
+        for j, layer in enumerate(group.layer_ids):
+            caches[layer] = pairs[j]
+    assert all(c is not None for c in caches), "every layer belongs to a group"
+    return [c for c in caches if c is not None]
 
 
 def model_layer_groups(cfg: ModelConfig) -> list[int]:

@@ -61,7 +61,7 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
         spec = kv_cache_spec(mcfg, config.block_size, self.dtype)
         memory = kv_memory_bytes(config, self.device)
-        num_blocks = plan_num_blocks(spec, memory, self.max_model_len)
+        num_blocks = plan_num_blocks(spec, memory)
         self.kv = KVCacheManager(spec, num_blocks, max_model_len=self.max_model_len,
                                  debug=config.debug_kv)
         caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.dtype, self.device)
@@ -246,12 +246,17 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "max_concurrent_sequences": self.capacity.max_sequences,
+            "max_concurrent_sequences_by_tokens": dict(self.capacity.by_tokens),
             "weight_bytes": self.weight_bytes.resident,
             "decode_weight_bytes_per_token": self.weight_bytes.per_token,
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
             "requests_rejected": self.counters["requests_rejected"],
         }
+        out["kv_group_blocks_used"] = dict(zip(kv.group_names, kv.blocks_used_per_group,
+                                               strict=True))
+        out["kv_group_blocks_reserved"] = dict(zip(kv.group_names, kv.blocks_reserved_per_group,
+                                                   strict=True))
         for reason in ("stop", "length", "abort"):
             out[f"request_success_{reason}"] = self.counters[f"request_success:{reason}"]
         return out

@@ -1,4 +1,4 @@
-"""Start-up decisions: the device, and how much memory the KV pools get."""
+"""Start-up decisions: the device, and how much memory the KV pool gets."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def pick_dtype(name: str, device: torch.device, hf_config: object) -> tuple[torc
 
 def kv_memory_bytes(config: EngineConfig, device: torch.device,
                     profile_peak: int | None = None) -> int:
-    """Bytes for the KV pools.
+    """Bytes for the KV pool.
 
     Explicit ``kv_cache_memory`` wins. On the CPU the default is 2 GiB. On CUDA it is
     ``gpu_memory_utilization`` of the device's total memory, less what the weights and one
@@ -80,7 +80,7 @@ def kv_memory_bytes(config: EngineConfig, device: torch.device,
     return free
 
 
-def describe(spec: KVCacheSpec, num_blocks: tuple[int, ...], memory: int) -> str:
+def describe(spec: KVCacheSpec, num_blocks: int, memory: int) -> str:
     """The KV pool in one line for the start-up log."""
-    used = sum(n * spec.bytes_per_block(i) for i, n in enumerate(num_blocks))
+    used = num_blocks * spec.block_bytes
     return f"KV cache: {used / 2**20:.1f} MiB of {memory / 2**20:.1f} MiB budget"

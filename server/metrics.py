@@ -2,9 +2,13 @@
 
 Gauges and counters are read from the engine's own counters at scrape time (a collector),
 so they can never drift from what the engine did; histograms are observed as requests end.
-Per layer group (label ``group``, e.g. ``sliding_512`` and ``full`` for Gemma 3) the block
-gauges split the totals and ``kv_group_ring_blocks`` states each ring's length ``R``: a
-sliding sequence never holds more than ``R`` blocks of its group.
+Every layer group takes its blocks from one pool (``kv_blocks_total``). Per window (label
+``group``, e.g. ``sliding_512`` and ``full`` for Gemma 3) the block gauges split the used and
+reserved totals and ``kv_group_ring_blocks`` states each ring's length ``R``: a sliding
+sequence never holds more than ``R`` blocks of each of that window's groups.
+``max_concurrent_sequences`` is labelled ``tokens``: the sequences of that many tokens
+(prompt + max_tokens) that fit at once, for a short request, one as long as each window and
+one of ``max_model_len``.
 
 Every labelled series is created at start-up (histograms empty, rejections at 0), so a
 dashboard shows a flat 0 rather than "no data" before the first event.
@@ -25,12 +29,11 @@ P = "ringserve:"
 
 GAUGES = {
     "kv_cache_usage_perc": "Fraction of KV blocks in use (0-1).",
-    "kv_blocks_total": "Physical KV blocks in all pools.",
+    "kv_blocks_total": "Physical KV blocks in the pool every layer group shares.",
     "kv_blocks_used": "KV blocks held by running sequences.",
     "kv_blocks_reserved": "KV blocks reserved by admitted sequences (>= used).",
     "num_requests_running": "Sequences running.",
     "num_requests_waiting": "Sequences waiting for admission.",
-    "max_concurrent_sequences": "Sequences the pools hold at once (capacity).",
     "weight_bytes": "Bytes the model's weights take in memory (quantized where quantized).",
     "decode_weight_bytes_per_token": "Weight bytes one decode step reads (its floor is "
     "this over the memory bandwidth).",
@@ -44,12 +47,13 @@ COUNTERS = {
     "generation_tokens": "Tokens generated.",
     "requests_rejected": "Requests refused by the engine as invalid.",
 }
-GROUP_GAUGES = {  # per layer group: (KVStats field, help)
-    "kv_group_blocks_total": ("blocks_total_per_group", "Physical KV blocks of a layer group."),
+GROUP_GAUGES = {  # per window's layer groups: (KVStats field, help)
     "kv_group_blocks_used": ("blocks_used_per_group", "KV blocks of a layer group in use."),
     "kv_group_blocks_reserved": ("blocks_reserved_per_group",
                                  "KV blocks of a layer group reserved by admitted sequences."),
 }
+CAPACITY_DOC = ("Sequences of `tokens` tokens (prompt + max_tokens) the KV pool holds at once "
+                "(capacity).")
 FINISH_REASONS = ("stop", "length", "abort")
 # The statuses the server answers with (server/app.py ERRORS), counted from 0.
 ERROR_STATUSES = ("400", "401", "404", "413", "429", "500", "503")
@@ -89,19 +93,23 @@ class _EngineCollector(Collector):
         if kv is None:
             return
         spec, kv_stats = kv.spec, kv.stats()
-        names = [g.name for g in spec.groups]
         for name, (field, doc) in GROUP_GAUGES.items():
             g = _gauge(name, doc, ["group"])
-            for group, value in zip(names, getattr(kv_stats, field), strict=True):
+            for group, value in zip(kv_stats.group_names, getattr(kv_stats, field),
+                                    strict=True):
                 g.add_metric([*label, group], float(value))
             yield g
         ring = _gauge("kv_group_ring_blocks", "Ring length R = ceil(window / block_size): the "
                       "most blocks a sequence holds in a sliding group.", ["group"])
-        for i, group in enumerate(names):
-            r = spec.ring_blocks(i)
+        for group, members in spec.names().items():
+            r = spec.ring_blocks(members[0])
             if r is not None:
                 ring.add_metric([*label, group], float(r))
         yield ring
+        fits = _gauge("max_concurrent_sequences", CAPACITY_DOC, ["tokens"])
+        for tokens, count in kv.capacity().by_tokens.items():
+            fits.add_metric([*label, str(tokens)], float(count))
+        yield fits
         size = _gauge("kv_block_size", "Tokens per KV block.", [])
         size.add_metric(label, float(spec.block_size))
         yield size

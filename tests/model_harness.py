@@ -26,11 +26,9 @@ class RingHarness:
         cfg = model.config
         dtype = next(model.parameters()).dtype
         self.spec = kv_cache_spec(cfg, block_size, dtype)
-        need = self.spec.blocks_needed(max_tokens)
-        self.kv = KVCacheManager(self.spec, [n * num_seqs for n in need],
-                                 max_model_len=max_tokens, debug=True)
-        self.caches = allocate_kv_caches(self.spec, [n * num_seqs for n in need],
-                                         cfg.num_layers, dtype, "cpu")
+        blocks = self.spec.pool_blocks_needed(max_tokens) * num_seqs
+        self.kv = KVCacheManager(self.spec, blocks, max_model_len=max_tokens, debug=True)
+        self.caches = allocate_kv_caches(self.spec, blocks, cfg.num_layers, dtype, "cpu")
         for k, v in self.caches:
             k.fill_(float("nan"))
             v.fill_(float("nan"))

@@ -136,7 +136,8 @@ def test_dashboard_promql_parses(tmp_path: Path) -> None:
 
 
 def exported_series() -> set[str]:
-    names = {*metrics.GAUGES, *metrics.GROUP_GAUGES, "kv_group_ring_blocks", "kv_block_size"}
+    names = {*metrics.GAUGES, *metrics.GROUP_GAUGES, "kv_group_ring_blocks", "kv_block_size",
+             "max_concurrent_sequences"}
     names |= {f"{c}_total" for c in (*metrics.COUNTERS, "request_success",
                                      "http_requests_rejected")}
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",

@@ -7,6 +7,7 @@ and every block went back to the pool.
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """Mixed sliding (w=6) and full layers: two layer groups per sequence."""
+    """Mixed sliding (w=6) and full layers: 3 sliding layers and 1 full one, four layer
+    groups of one layer each, drawing on one pool."""
     return make_checkpoint("gemma3_text", tmp_path_factory.mktemp("ckpt"))
 
 
@@ -86,7 +88,7 @@ def test_pool_of_exactly_k_rings_admits_k_and_the_next_waits(
     k = 3
     probe = make_llm(mistral)
     spec = probe.engine.kv.spec
-    ring_bytes = spec.ring_blocks(0) * spec.bytes_per_block(0)  # type: ignore[operator]
+    ring_bytes = spec.pool_blocks_needed(10**9) * spec.block_bytes  # all its rings
     llm = make_llm(mistral, kv_cache_memory=k * ring_bytes)
     check_clean += [probe, llm]
     assert llm.stats()["max_concurrent_sequences"] == k
@@ -107,6 +109,62 @@ def test_pool_of_exactly_k_rings_admits_k_and_the_next_waits(
     assert all(r.finished for r in requests)
 
 
+def test_short_requests_fill_what_the_bytes_allow_across_all_layers(
+        gemma: pathlib.Path, check_clean: list[LLM]) -> None:
+    # The tiny gemma3: 4 layers (3 sliding with w=6, 1 full), 2 KV heads x 16 dims, float32:
+    # 256 bytes of K and V per token and layer, counted here from the config alone.
+    cfg = json.loads((gemma / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    per_token_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    memory = 330 * 2**10
+    llm = make_llm(gemma, kv_cache_memory=memory, max_num_seqs=256,
+                   max_num_batched_tokens=1024, max_model_len=256)
+    check_clean.append(llm)
+    engine = llm.engine
+    prompt, new = 3, 3  # 6 tokens a request, under the window: every layer holds them all
+    requests = [engine.add_request(str(i), random_tokens(prompt, seed=i),
+                                   SamplingParams(max_tokens=new, **GREEDY))
+                for i in range(80)]
+    exact = (prompt + new) * layers * per_token_layer
+    allow = memory // exact
+    # one block of B tokens per layer may go to rounding (a block per group)
+    floor = memory // (exact + B * layers * per_token_layer)
+    peak = 0
+    while engine.has_unfinished:
+        engine.step()
+        running = llm.stats()["num_requests_running"]
+        peak = max(peak, running)
+        assert running <= allow
+    assert floor <= peak <= allow, (floor, peak, allow)
+    assert peak == engine.kv.sequences_that_fit(prompt + new)
+    assert all(r.finished for r in requests)
+
+
+def test_a_long_request_still_holds_only_its_rings_in_sliding_groups(
+        gemma: pathlib.Path, check_clean: list[LLM]) -> None:
+    llm = make_llm(gemma)
+    check_clean.append(llm)
+    engine = llm.engine
+    n = 5 + 20 * W
+    request = engine.add_request("long", random_tokens(5, seed=1),
+                                 SamplingParams(max_tokens=20 * W, **GREEDY))
+    ring = -(-W // B)
+    windows = [g.window for g in engine.kv.spec.groups]
+    assert windows.count(W) == 3 and windows.count(None) == 1
+    reserved = llm.stats()["kv_blocks_reserved"]
+    engine.step()
+    assert llm.stats()["kv_blocks_reserved"] - reserved == 3 * ring + -(-n // B)
+    seq_id = request.seqs[0].seq_id
+    while not request.finished:
+        rows = engine.kv.block_tables(seq_id)
+        length = engine.kv.num_tokens(seq_id)
+        for w, row in zip(windows, rows, strict=True):
+            assert len(row) == (min(-(-length // B), ring) if w else -(-length // B))
+        engine.step()
+    # the last token is sampled but never fed back, so n - 1 positions were stored
+    assert request.seqs[0].blocks_held == 3 * ring + -(-(n - 1) // B)
+
+
 def test_request_that_can_never_fit_is_refused_with_numbers(
         gemma: pathlib.Path, check_clean: list[LLM]) -> None:
     llm = make_llm(gemma, kv_cache_memory="64KiB", max_model_len=200)
@@ -115,7 +173,7 @@ def test_request_that_can_never_fit_is_refused_with_numbers(
         llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=191, **GREEDY))
     message = str(err.value)
     assert err.value.param == "max_tokens"
-    assert "= 201 exceeds max_model_len 200" in message and "sequences of 200 tokens" in message
+    assert "= 201 exceeds max_model_len 200" in message and "1 of 200 tokens" in message
     with pytest.raises(InvalidRequestError) as err:
         llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=1, **GREEDY))
     assert err.value.param == "prompt"

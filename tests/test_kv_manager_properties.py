@@ -1,9 +1,11 @@
 """Property tests: random interleavings of many sequences against a shadow of the cache.
 
-The shadow records, for every physical slot, which (sequence, position) last wrote it, using
-the slots the manager handed out. After every operation every position inside every live
-window must be found, through the sequence's current table and the ring rule written out
-here independently, in a slot whose last writer is that very position.
+Every layer group takes its blocks from one pool. The shadow records, for every physical
+slot, which (group, sequence, position) last wrote it, using the slots the manager handed
+out. After every operation every position inside every live window must be found, through
+the sequence's current table and the ring rule written out here independently, in a slot
+whose last writer is that very position of that very group; every block of the pool is
+free or in exactly one table row.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ class RingMachine(RuleBasedStateMachine):
 
     @initialize(
         block_size=st.integers(1, 8),
-        layer_windows=st.lists(windows, min_size=1, max_size=4),
-        pool_blocks=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+        layer_windows=st.lists(windows, min_size=1, max_size=8),
+        pool_blocks=st.integers(0, 120),
     )
     def setup(self, block_size: int, layer_windows: list[int | None],
-              pool_blocks: list[int]) -> None:
+              pool_blocks: int) -> None:
         self.b = block_size
         self.spec = KVCacheSpec(
             block_size=block_size,
@@ -53,9 +55,8 @@ class RingMachine(RuleBasedStateMachine):
             groups=group_layers(layer_windows, num_kv_heads=1, head_dim=4),
         )
         self.windows = [g.window for g in self.spec.groups]
-        self.kv = KVCacheManager(self.spec, pool_blocks[: len(self.windows)],
-                                 max_model_len=64, debug=True)
-        self.shadow: list[dict[int, tuple[int, int]]] = [{} for _ in self.windows]
+        self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=64, debug=True)
+        self.shadow: dict[int, tuple[int, int, int]] = {}
         self.limit: dict[int, int] = {}
         self.length: dict[int, int] = {}
         self.next_id = 0
@@ -64,15 +65,17 @@ class RingMachine(RuleBasedStateMachine):
     def add(self, prompt: int, max_tokens: int) -> int:
         sid = self.next_id
         self.next_id += 1
-        need = self.kv.reservation(prompt, max_tokens)
-        totals = self.kv.stats().blocks_total_per_group
+        need = sum(self.kv.reservation(prompt, max_tokens))
+        total = self.kv.pool.num_blocks
         try:
             self.kv.check_request(prompt, max_tokens)
         except RequestTooLargeError:
-            assert any(n > t for n, t in zip(need, totals, strict=True))
+            assert need > total
             return sid  # never admitted; later rules on it are no-ops
-        assert all(n <= t for n, t in zip(need, totals, strict=True))
-        if self.kv.can_admit(prompt, max_tokens):
+        assert need <= total
+        fits = self.kv.stats().blocks_reserved + need <= total
+        assert self.kv.can_admit(prompt, max_tokens) == fits
+        if fits:
             self.kv.admit(sid, prompt, max_tokens)
             self.limit[sid] = prompt + max_tokens
             self.length[sid] = 0
@@ -93,7 +96,7 @@ class RingMachine(RuleBasedStateMachine):
             assert len(written) == len(set(written)), "two positions of one step share a slot"
             for offset, slot in enumerate(slots):
                 if slot != SKIP_SLOT:
-                    self.shadow[g][slot] = (sid, start + offset)
+                    self.shadow[slot] = (g, sid, start + offset)
         self.length[sid] = start + n
 
     @rule(sid=seqs, n=st.integers(1, 50))
@@ -105,7 +108,7 @@ class RingMachine(RuleBasedStateMachine):
         self._append(sid, 1)
 
     @rule(sid=consumes(seqs))
-    def free(self, sid: int) -> None:
+    def finish_or_abort(self, sid: int) -> None:
         if sid in self.limit:
             self.kv.release(sid)
             del self.limit[sid], self.length[sid]
@@ -120,27 +123,31 @@ class RingMachine(RuleBasedStateMachine):
                 lo = 0 if window is None else max(0, length - window)
                 for p in range(lo, length):
                     slot = expected_slot(rows[g], p, self.b, window)
-                    assert self.shadow[g].get(slot) == (sid, p), (sid, g, p)
+                    assert self.shadow.get(slot) == (g, sid, p), (sid, g, p)
 
     @invariant()
     def blocks_are_accounted(self) -> None:
         if not hasattr(self, "kv"):
             return
         stats = self.kv.stats()
-        for g, window in enumerate(self.windows):
-            pool = self.kv.pools[g]
-            assert pool.num_free + pool.num_used == pool.num_blocks
-            held: list[int] = []
-            for sid, length in self.length.items():
-                row = self.kv.block_tables(sid)[g]
+        pool = self.kv.pool
+        assert pool.num_free + pool.num_used == pool.num_blocks == stats.blocks_total
+        held: list[int] = []
+        reserved = 0
+        for sid, length in self.length.items():
+            rows = self.kv.block_tables(sid)
+            need = self.kv.reservation(self.limit[sid], 0)
+            for g, window in enumerate(self.windows):
                 ring = None if window is None else -(-window // self.b)
                 expect = -(-length // self.b) if ring is None else min(-(-length // self.b), ring)
-                assert len(row) == expect
-                reserved = self.kv.reservation(self.limit[sid], 0)[g]
-                assert len(row) <= reserved
-                held += row
-            assert len(held) == len(set(held)) == pool.num_used
-            assert stats.blocks_reserved_per_group[g] <= pool.num_blocks
+                assert len(rows[g]) == expect <= need[g]
+                held += rows[g]
+            reserved += sum(need)
+        assert len(held) == len(set(held)) == pool.num_used == stats.blocks_used
+        assert all(pool.is_used(b) for b in held)
+        assert stats.blocks_reserved == reserved <= pool.num_blocks
+        assert sum(stats.blocks_reserved_per_group) == reserved
+        assert sum(stats.blocks_used_per_group) == stats.blocks_used
         assert stats.read_misses == 0
 
     def teardown(self) -> None:
@@ -150,7 +157,7 @@ class RingMachine(RuleBasedStateMachine):
             self.kv.release(sid)
         stats = self.kv.stats()
         assert stats.blocks_used == 0 and stats.blocks_reserved == 0
-        assert all(p.num_free == p.num_blocks for p in self.kv.pools)
+        assert self.kv.pool.num_free == self.kv.pool.num_blocks
 
 
 RingMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -164,7 +171,7 @@ def test_predicted_reservation_equals_what_the_tables_take() -> None:
         for w in (None, 1, 2, 5, 16, 17, 100):
             spec = KVCacheSpec(block_size=b, dtype_bytes=2,
                                groups=group_layers([w], num_kv_heads=1, head_dim=4))
-            kv = KVCacheManager(spec, [1000], max_model_len=400)
+            kv = KVCacheManager(spec, 1000, max_model_len=400)
             for total in (1, 2, 7, 16, 33, 250):
                 kv.admit("s", total - 1, 1)
                 chunk = 1

@@ -38,7 +38,7 @@ DESIGN_SERIES = [
     "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
     "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
     "kv_blocks_per_sequence_bucket",
-    "kv_group_blocks_total", "kv_group_blocks_used", "kv_group_blocks_reserved",
+    "kv_group_blocks_used", "kv_group_blocks_reserved",
     "kv_group_ring_blocks", "kv_block_size", "http_requests_rejected_total",
 ]
 
@@ -57,11 +57,19 @@ def test_metrics_has_every_design_series(server: Server) -> None:
     for line in text.splitlines():
         if line.startswith("ringserve:"):
             assert 'model_name="tiny"' in line, line
-    assert 'kv_group_blocks_total{group="sliding_6",model_name="tiny"}' in text
-    assert 'kv_group_blocks_total{group="full",model_name="tiny"}' in text
+    assert 'kv_group_blocks_used{group="sliding_6",model_name="tiny"}' in text
+    assert 'kv_group_blocks_reserved{group="full",model_name="tiny"}' in text
     assert 'kv_group_ring_blocks{group="sliding_6",model_name="tiny"} 2.0' in text  # 6/4
+    # One pool for all groups; capacity for a short, a window-long and a max_model_len
+    # request. The tiny gemma3 has 3 sliding layers (w=6: R=2 blocks of 4) and 1 full one,
+    # each a group of its own.
     stats = server.stats()
-    assert stats["kv_blocks_total"] == stats["kv_group_blocks_total"]  # groups sum up
+    total = int(stats["kv_blocks_total"])
+    assert total > 0
+    for tokens in (6, 256):
+        count = total // (3 * min(-(-tokens // 4), 2) + -(-tokens // 4))
+        assert (f'max_concurrent_sequences{{model_name="tiny",tokens="{tokens}"}} '
+                f'{float(count)}') in text
 
 
 def traffic(url: str, stop: threading.Event, worker: int) -> None:

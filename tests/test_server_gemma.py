@@ -35,7 +35,12 @@ def test_gemma_270m_serves_a_coherent_completion(tmp_path: pathlib.Path) -> None
                                            messages=[{"role": "user", "content": "hi"}])
         assert "chat template" in str(err.value)
         metrics = httpx.get(f"{s.url}/metrics").text
-        assert 'ringserve:max_concurrent_sequences{model_name="gemma-3-270m"}' in metrics
+        # One KV pool for its 15 sliding (w=512) and 3 full layers: 2 KiB per token and layer
+        # in float32, so 512 MiB hold 56 requests of 256 tokens (15 x 256 + 3 x 256 KiB x 2
+        # each), 28 of 512 and 18 of 2048 (15 x 512 + 3 x 2048 tokens x 2 KiB each).
+        for tokens, fits in ((256, 56), (512, 28), (2048, 18)):
+            assert (f'ringserve:max_concurrent_sequences{{model_name="gemma-3-270m",'
+                    f'tokens="{tokens}"}} {float(fits)}') in metrics
 
 
 def test_cli_generate_prints_the_completion(tmp_path: pathlib.Path) -> None:
