@@ -21,7 +21,7 @@ class EngineConfig:
             `engine.loading.quantize`).
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
         block_size: tokens per KV block.
-        kv_cache_memory: bytes for the KV pools ("2GiB"); None = the device default (CPU:
+        kv_cache_memory: bytes for the KV pool ("2GiB"); None = the device default (CPU:
             2 GiB; CUDA: a fraction of free memory after weights and a profiled step).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens fed to the model per step.

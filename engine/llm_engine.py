@@ -36,7 +36,7 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
-    """Owns the model, the KV pools, the scheduler; not thread-safe (see `AsyncLLM`)."""
+    """Owns the model, the KV pool, the scheduler; not thread-safe (see `AsyncLLM`)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

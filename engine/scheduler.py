@@ -54,7 +54,7 @@ class Scheduler:
         self.num_preemptions = 0  # stays 0 by construction; exported as a metric
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence (its size was checked against the pools by the engine)."""
+        """Queue a sequence (its size was checked against the pool by the engine)."""
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:

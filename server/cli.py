@@ -25,7 +25,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("quantization", str, "weights: auto, none, int8, int4 or gguf"),
     ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),
     ("block-size", int, "tokens per KV block"),
-    ("kv-cache-memory", str, "bytes for the KV pools, e.g. 2GiB"),
+    ("kv-cache-memory", str, "bytes for the KV cache (one pool for all layers), e.g. 2GiB"),
     ("max-num-seqs", int, "sequences running at once"),
     ("max-num-batched-tokens", int, "tokens per engine step"),
     ("max-model-len", int, "prompt + output tokens at most"),
