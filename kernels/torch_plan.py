@@ -16,8 +16,9 @@ import torch
 
 from kernels.torch_gather import slot_rows
 
-# NOTE: one entry per layer group that alternates within a step (e.g. sliding + full).
-_CACHE_ENTRIES = 4
+# NOTE: one entry per layer group that alternates within a step: gemma-3-270m has six (five
+# sliding groups of 3 layers and one full group), its layers visiting them out of order.
+_CACHE_ENTRIES = 8
 # NOTE: decode rows are padded to the longest window of their group; a row whose window is
 # under half its group's longest (and the longest is past this many keys) opens a new group,
 # so padding at most doubles the gather (full attention mixes very different lengths).
@@ -28,9 +29,11 @@ _GROUP_MIN_KEYS = 64
 class PrefillRow:
     """One sequence with new tokens `start:end` served alone (a chunk, or an empty context).
 
-    `rows` are the cache rows of its window positions `[lo, ctx)`, in position order.
+    `rows` are the cache rows of its window positions `[lo, ctx)`, in position order, read
+    through row `seq` of the block tables.
     """
 
+    seq: int
     start: int
     end: int
     ctx: int
@@ -127,13 +130,31 @@ def _build(
             lo = 0 if window is None else max(0, ctx - window + 1)
             positions = torch.arange(lo, ctx, device=block_tables.device)
             rows = slot_rows(block_tables, seq, positions, block_size, ring)
-            prefill.append(PrefillRow(start=start, end=end, ctx=ctx, lo=lo, rows=rows))
+            prefill.append(PrefillRow(seq=seq, start=start, end=end, ctx=ctx, lo=lo, rows=rows))
     dev = block_tables.device
     decode_index = (torch.tensor(seqs, dtype=torch.int64, device=dev),
                     torch.tensor(tokens, dtype=torch.int64, device=dev),
                     torch.tensor([ctxs[s] for s in seqs], dtype=torch.int64, device=dev))
     return StepPlan(key=key, index=index, settings=settings, prefill=prefill,
                     decode_index=decode_index)
+
+
+def _rebind(
+    sibling: StepPlan,
+    key: tuple[object, ...],
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> StepPlan:
+    """`sibling`'s plan for other block tables: the same rows, the prefill gathers redone."""
+    block_tables = index[0]
+    block_size, _, ring = sibling.settings
+    prefill = [
+        PrefillRow(seq=row.seq, start=row.start, end=row.end, ctx=row.ctx, lo=row.lo,
+                   rows=slot_rows(block_tables, row.seq,
+                                  torch.arange(row.lo, row.ctx, device=block_tables.device),
+                                  block_size, ring))
+        for row in sibling.prefill]  # fmt: skip
+    return StepPlan(key=key, index=index, settings=sibling.settings, prefill=prefill,
+                    decode_index=sibling.decode_index)
 
 
 def _length_groups(ctxs: list[int], window: int | None) -> list[list[int]]:
@@ -188,7 +209,12 @@ def step_plan(
             return plan
     settings = (block_size, window, ring)
     copies = (block_tables.clone(), query_start_loc.clone(), context_lens.clone())
-    plan = _build(key, copies, settings)
+    # Groups with one window share the step's shape and differ only in their tables: reuse
+    # a sibling's decode index (it does not read the tables) and gather only prefill rows.
+    sibling = next((p for p in entries if p.key[:4] == key[:4] and p.key[5:] == key[5:]
+                    and torch.equal(p.index[1], query_start_loc)
+                    and torch.equal(p.index[2], context_lens)), None)
+    plan = _build(key, copies, settings) if sibling is None else _rebind(sibling, key, copies)
     entries.insert(0, plan)
     del entries[_CACHE_ENTRIES:]
     return plan

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import cpu_attention
 from kernels.reference import QUERY_CHUNK, paged_attention_reference
 from tests.kernel_utils import (
     CASE_IDS,
@@ -109,6 +110,25 @@ def test_plan_cache_sees_in_place_updates() -> None:
         out = paged_attention_reference(case.query, case.key, case.value, case.key_cache,
                                         case.value_cache, tables, qsl, ctx, **case.kwargs())
         assert_close(out, dense_attention(case), case.query.dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_groups_sharing_a_step_get_their_own_tables(backend: str) -> None:
+    """Layer groups of one window share a step's shape and differ in tables and caches;
+    the plan made for one group must not read another's tables (prefill rows included)."""
+    if backend == "cpu" and not cpu_attention.supports(torch.zeros(1)):
+        pytest.skip("no compiled CPU kernel here")
+    seqs = [(19, 1), (0, 6), (33, 1), (9, 5)]
+    groups = [make_case(seqs, seed=s) for s in (21, 22, 23)]
+    assert all(torch.equal(g.query_start_loc, groups[0].query_start_loc) for g in groups)
+    assert not torch.equal(groups[0].block_tables, groups[1].block_tables)
+    for _ in range(2):  # the second round finds every plan cached
+        for case in groups:
+            if backend == "cpu":
+                out = cpu_attention.paged_attention_cpu(*case.tensors(), **case.kwargs())
+            else:
+                out = paged_attention_reference(*case.tensors(), **case.kwargs())
+            assert_close(out, dense_attention(case), case.query.dtype)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
