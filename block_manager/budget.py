@@ -57,6 +57,7 @@ class KVCacheSpec:
     block_size: int
     dtype_bytes: int
     groups: tuple[LayerGroup, ...]
+    ring_slack: int = 0  # tokens a ring holds beyond its window (`ring.ring_length`)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -82,7 +83,7 @@ class KVCacheSpec:
 
     def ring_blocks(self, group: int) -> int | None:
         """Ring length ``R`` of group ``group`` (None for a full-attention group)."""
-        return ring_length(self.groups[group].window, self.block_size)
+        return ring_length(self.groups[group].window, self.block_size, self.ring_slack)
 
     def blocks_needed(self, num_tokens: int) -> tuple[int, ...]:
         """Blocks per group that a sequence of ``num_tokens`` tokens holds at most."""

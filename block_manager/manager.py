@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
+from block_manager.prefix import Hit, extend_chain, find_hit
+from block_manager.ring import table_index
 from block_manager.table import SKIP_SLOT, BlockTable
 
 
@@ -34,15 +36,24 @@ class KVStats:
     group_names: tuple[str, ...]
     blocks_used_per_group: tuple[int, ...]
     blocks_reserved_per_group: tuple[int, ...]
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    blocks_cached: int = 0
+    blocks_evicted: int = 0
 
 
 class _SeqState:
-    __slots__ = ("max_tokens", "reserved", "tables")
+    __slots__ = ("chain", "max_tokens", "promise_start", "promised", "reserved", "tables",
+                 "tokens")
 
     def __init__(self, tables: list[BlockTable], reserved: tuple[int, ...], max_tokens: int):
         self.tables = tables
         self.reserved = reserved
         self.max_tokens = max_tokens
+        self.tokens: list[int] = []  # with prefix caching: the tokens known so far
+        self.chain: list[bytes] = []  # their full blocks' names
+        self.promised: list[bytes] = []  # names of prompt blocks it still has to compute
+        self.promise_start = 0  # the block index of promised[0]
 
 
 class KVCacheManager:
@@ -53,14 +64,27 @@ class KVCacheManager:
     set aside in the pool, so the blocks it later takes lazily are always there: no
     preemption, ever. Memory one group does not need serves another.
 
+    With prefix caching every full block gets a chained name; a new sequence starts from
+    the longest prompt prefix every group still holds (`block_manager.prefix`), sharing
+    those blocks. Admission stays exact: the pool commits
+
+        blocks in use + for every sequence and full group, the blocks it may still take
+        + for every sequence and ring group, R less the ring blocks it holds alone
+
+    and admits a request only if that stays within the pool (a ring entry holding a shared
+    block takes a fresh one when the ring comes back to it, so a shared ring block still
+    counts against each holder's future; a shared full-attention block is counted once).
+
     Args:
         spec: block size, dtype size and layer groups.
         num_blocks: blocks in the pool (see `budget.plan_num_blocks`).
         max_model_len: the longest sequence served (used in the capacity statement).
         debug: check every cached position a step reads (O(window) per sequence and
             step) instead of only the oldest and newest ones (O(1)). Either way a shadow
-            records which (group, sequence, position) each slot holds, and `check_reads`
-            counts the reads that would find another owner: read misses.
+            records which (group, contents, position) each slot holds, the contents being
+            the name of the block's tokens (or the sequence, for a block not yet full), and
+            `check_reads` counts the reads that would find anything else: read misses.
+        enable_prefix_caching: share and keep full blocks by their names.
     """
 
     def __init__(
@@ -70,24 +94,35 @@ class KVCacheManager:
         *,
         max_model_len: int,
         debug: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.spec = spec
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_blocks)
         self.ring_blocks = [spec.ring_blocks(i) for i in range(len(spec.groups))]
         self.debug = debug
+        self.caching = enable_prefix_caching
+        if enable_prefix_caching and spec.ring_slack < spec.block_size - 1:
+            raise ValueError("prefix caching needs rings with a block of slack "
+                             f"(ring_slack >= {spec.block_size - 1}); see block_manager.ring")
         self._seqs: dict[Hashable, _SeqState] = {}
-        self._reserved = 0
+        self._reserved_full = 0
+        self._reserved_ring = 0
         self._reserved_per_group = [0] * len(spec.groups)
         self._recycles = 0
         self._overwrites = 0
         self._read_misses = 0
         self._shadow: dict[int, tuple[int, Hashable, int]] = {}
+        self._promises: dict[bytes, int] = {}
+        self._pending: list[tuple[int, tuple[int, bytes]]] = []
+        self._stepped: list[Hashable] = []
+        self._queries = 0
+        self._hits = 0
 
     # -- admission ---------------------------------------------------------------------
 
     def reservation(self, prompt_len: int, max_tokens: int) -> tuple[int, ...]:
-        """Blocks per group a request of ``prompt_len + max_tokens`` tokens may take."""
+        """Blocks per group a request of ``prompt_len + max_tokens`` tokens may hold."""
         return self.spec.blocks_needed(prompt_len + max_tokens)
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
@@ -101,13 +136,32 @@ class KVCacheManager:
                 f"{self.pool.num_blocks}; it can never be admitted"
             )
 
-    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+    def can_admit(self, prompt_len: int, max_tokens: int,
+                  prompt_ids: list[int] | None = None) -> bool:
         """True if the request's reservation fits beside every admitted one right now."""
-        need = sum(self.reservation(prompt_len, max_tokens))
-        return self._reserved + need <= self.pool.num_blocks
+        hit = self._hit(prompt_ids, prompt_len)[1]
+        return self._fits(self.reservation(prompt_len, max_tokens), hit)
 
-    def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int) -> None:
-        """Reserve a sequence's blocks; its tables start empty and fill lazily.
+    def waits_for_prefix(self, prompt_ids: list[int]) -> bool:
+        """True if a running sequence is computing the prompt's next block after its
+        current hit: admitting it after that step reuses the block instead of recomputing
+        it (requests that arrive together with one long prefix compute it once)."""
+        if not self.caching or not self._promises:
+            return False
+        chain, hit = self._hit(prompt_ids, len(prompt_ids))
+        m = 0 if hit is None else hit.num_blocks
+        return m < (len(prompt_ids) - 1) // self.spec.block_size and chain[m] in self._promises
+
+    def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int,
+              prompt_ids: list[int] | None = None) -> int:
+        """Reserve a sequence's blocks; its tables start empty (or at its cached prefix) and
+        fill lazily.
+
+        Args:
+            prompt_ids: the prompt's tokens; needed with prefix caching.
+
+        Returns:
+            Prompt tokens found cached: the sequence's tables already hold them.
 
         Raises:
             RequestTooLargeError: it can never fit.
@@ -116,56 +170,119 @@ class KVCacheManager:
         self.check_request(prompt_len, max_tokens)
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id!r} is already admitted")
-        if not self.can_admit(prompt_len, max_tokens):
-            raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
+        if self.caching and (prompt_ids is None or len(prompt_ids) != prompt_len):
+            raise KVCacheError("prefix caching needs the prompt's token ids")
         need = self.reservation(prompt_len, max_tokens)
-        self._reserved += sum(need)
+        chain, hit = self._hit(prompt_ids, prompt_len)
+        if not self._fits(need, hit):
+            raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
         for i, n in enumerate(need):
             self._reserved_per_group[i] += n
+            if self.ring_blocks[i] is None:
+                self._reserved_full += n
+            else:
+                self._reserved_ring += n
         tables = [BlockTable(self.pool, self.spec.block_size, ring) for ring in self.ring_blocks]
-        self._seqs[seq_id] = _SeqState(tables, need, prompt_len + max_tokens)
+        state = _SeqState(tables, need, prompt_len + max_tokens)
+        self._seqs[seq_id] = state
+        if not self.caching:
+            return 0
+        assert prompt_ids is not None and hit is not None
+        state.tokens, state.chain = list(prompt_ids), chain
+        for _, block in hit.cached_blocks:
+            self.pool.pin(block)
+        cached = hit.num_blocks * self.spec.block_size
+        for table, row in zip(tables, hit.rows, strict=True):
+            table.adopt(cached, row)
+        state.promised = chain[hit.num_blocks : prompt_len // self.spec.block_size]
+        state.promise_start = hit.num_blocks
+        for name in state.promised:
+            self._promises[name] = self._promises.get(name, 0) + 1
+        self._queries += prompt_len
+        self._hits += cached
+        return cached
 
     def release(self, seq_id: Hashable) -> None:
         """Free a sequence's blocks and its reservation (finished or aborted)."""
         state = self._state(seq_id)
         for i, table in enumerate(state.tables):
-            for block in table.blocks:
+            for block in table.free():
                 self._forget_block(block)
-            table.free()
             self._reserved_per_group[i] -= state.reserved[i]
-        self._reserved -= sum(state.reserved)
+            if self.ring_blocks[i] is None:
+                self._reserved_full -= state.reserved[i]
+            else:
+                self._reserved_ring -= state.reserved[i]
+        self._drop_promises(state, len(state.promised))
         del self._seqs[seq_id]
 
     # -- per step ----------------------------------------------------------------------
 
-    def append(self, seq_id: Hashable, num_new: int) -> list[list[int]]:
+    def append(self, seq_id: Hashable, num_new: int,
+               token_ids: list[int] | None = None) -> list[list[int]]:
         """Store ``num_new`` more positions of a sequence; returns slot mappings per group.
 
         A slot of `SKIP_SLOT` (-1) marks a position the write must skip because a later
-        position of the same step takes its slot.
+        position of the same step takes its slot. With prefix caching, ``token_ids`` are the
+        positions' tokens, and the blocks this fills become findable at `commit`.
 
         Raises:
             KVCacheError: the sequence would exceed the tokens it was admitted for.
         """
         state = self._state(seq_id)
         start = state.tables[0].num_tokens
-        if start + num_new > state.max_tokens:
+        end = start + num_new
+        if end > state.max_tokens:
             raise KVCacheError(
-                f"sequence {seq_id!r} would hold {start + num_new} tokens, more than the "
+                f"sequence {seq_id!r} would hold {end} tokens, more than the "
                 f"{state.max_tokens} it was admitted for"
             )
+        if self.caching:
+            if token_ids is None or len(token_ids) != num_new:
+                raise KVCacheError("prefix caching needs the appended positions' token ids")
+            known = len(state.tokens)
+            if end > known:
+                state.tokens += token_ids[known - start :]
+                extend_chain(state.chain, state.tokens, self.spec.block_size)
+            self._stepped.append(seq_id)
         mappings = []
         for i, table in enumerate(state.tables):
             slots, recycled, overwritten = table.append(num_new)
             self._recycles += recycled
             self._overwrites += overwritten
-            self._record(i, seq_id, start, slots)
+            self._record(i, seq_id, state, start, slots)
+            if self.caching:
+                self._filled(i, seq_id, state, table, start, end)
             mappings.append(slots)
         return mappings
+
+    def commit(self) -> None:
+        """The step's K/V are written: make the blocks it filled findable by their names."""
+        for block, key in self._pending:
+            if self.pool.is_used(block):
+                self.pool.register(block, key)
+        self._pending.clear()
+        b = self.spec.block_size
+        for seq_id in self._stepped:
+            state = self._seqs.get(seq_id)
+            if state is not None and state.promised:
+                done = state.tables[0].num_tokens // b  # blocks now computed
+                self._drop_promises(state, max(0, done - state.promise_start))
+        self._stepped.clear()
+
+    def discard(self) -> None:
+        """The step failed: what it wrote is not to be found."""
+        self._pending.clear()
+        self._stepped.clear()
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's table row per group (a ring row holds at most ``R`` ids)."""
         return [table.blocks for table in self._state(seq_id).tables]
+
+    def row_swaps(self, seq_id: Hashable) -> list[int]:
+        """Per group, how many ring entries of the sequence took a fresh block so far: a
+        copy of its rows that saw fewer must be rewritten, not only extended."""
+        return [table.swaps for table in self._state(seq_id).tables]
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Positions stored so far for the sequence."""
@@ -182,14 +299,16 @@ class KVCacheManager:
         """
         misses = 0
         shadow = self._shadow
-        for i, table in enumerate(self._state(seq_id).tables):
+        state = self._state(seq_id)
+        b = self.spec.block_size
+        for i, table in enumerate(state.tables):
             window = self.spec.groups[i].window
             lo = 0 if window is None else max(0, query_start - window + 1)
             if lo >= query_start:
                 continue
             positions = range(lo, query_start) if self.debug else {lo, query_start - 1}
             for p in positions:
-                if shadow.get(table.slot(p)) != (i, seq_id, p):
+                if shadow.get(table.slot(p)) != (i, self._contents(seq_id, state, p // b), p):
                     misses += 1
         self._read_misses += misses
         return misses
@@ -205,11 +324,15 @@ class KVCacheManager:
         return KVStats(
             blocks_total=self.pool.num_blocks,
             blocks_used=self.pool.num_used,
-            blocks_reserved=self._reserved,
+            blocks_reserved=self._committed(),
             ring_block_recycles=self._recycles,
             ring_slot_overwrites=self._overwrites,
             read_misses=self._read_misses,
             num_sequences=len(self._seqs),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            blocks_cached=self.pool.num_cached,
+            blocks_evicted=self.pool.evictions,
             group_names=tuple(names),
             blocks_used_per_group=tuple(sum(held[i] for i in m) for m in names.values()),
             blocks_reserved_per_group=tuple(
@@ -234,11 +357,70 @@ class KVCacheManager:
         except KeyError:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
 
-    def _record(self, group: int, seq_id: Hashable, start: int, slots: list[int]) -> None:
+    def _committed(self) -> int:
+        """Blocks the pool has promised: in use, plus what admitted sequences may still take."""
+        pool = self.pool
+        return (pool.num_used + self._reserved_full - pool.full_refs
+                + self._reserved_ring - pool.ring_exclusive)
+
+    def _fits(self, need: tuple[int, ...], hit: Hit | None) -> bool:
+        extra = sum(need)
+        for g, block in [] if hit is None else hit.cached_blocks:
+            ref = self.pool.ref(block)
+            if self.ring_blocks[g] is None:
+                extra += (ref == 0) - 1  # in use once more, and one block fewer to take
+            else:
+                extra += ref == 1  # its holder no longer holds it alone
+        return self._committed() + extra <= self.pool.num_blocks
+
+    def _hit(self, prompt_ids: list[int] | None,
+             prompt_len: int) -> tuple[list[bytes], Hit | None]:
+        if not self.caching or prompt_ids is None:
+            return [], None
+        chain: list[bytes] = []
+        extend_chain(chain, prompt_ids, self.spec.block_size)
+        return chain, find_hit(self.spec, chain, prompt_len,
+                               lambda g, name: self.pool.lookup((g, name)))
+
+    def _drop_promises(self, state: _SeqState, count: int) -> None:
+        count = min(count, len(state.promised))
+        state.promise_start += count
+        for name in state.promised[:count]:
+            left = self._promises[name] - 1
+            if left:
+                self._promises[name] = left
+            else:
+                del self._promises[name]
+        del state.promised[:count]
+
+    def _contents(self, seq_id: Hashable, state: _SeqState, k: int) -> Hashable:
+        """What block ``k`` of a sequence holds: its name once its tokens fill it."""
+        return state.chain[k] if k < len(state.chain) else seq_id
+
+    def _record(self, group: int, seq_id: Hashable, state: _SeqState, start: int,
+                slots: list[int]) -> None:
         shadow = self._shadow
+        b = self.spec.block_size
         for offset, slot in enumerate(slots):
             if slot != SKIP_SLOT:
-                shadow[slot] = (group, seq_id, start + offset)
+                p = start + offset
+                shadow[slot] = (group, self._contents(seq_id, state, p // b), p)
+
+    def _filled(self, group: int, seq_id: Hashable, state: _SeqState, table: BlockTable,
+                start: int, end: int) -> None:
+        """Blocks this append completed: name them in the shadow, and queue them for the
+        cache; in a ring, only those it did not overwrite itself (positions before
+        ``end - C`` are gone: their entry already holds a later block)."""
+        b = self.spec.block_size
+        intact = 0 if table.capacity is None else end - table.capacity
+        for k in range(start // b, end // b):
+            if k * b < intact:
+                continue
+            block = table.blocks[table_index(k * b, b, table.ring_blocks)]
+            name = state.chain[k]
+            for p in range(k * b, start):  # written before the block had a name
+                self._shadow[block * b + p % b] = (group, name, p)
+            self._pending.append((block, (group, name)))
 
     def _forget_block(self, block: int) -> None:
         b = self.spec.block_size

@@ -1,8 +1,9 @@
-"""A fixed set of physical KV block ids handed out and taken back in O(1)."""
+"""A fixed set of physical KV block ids: handed out, shared, cached and taken back in O(1)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 
 
 class BlockPoolError(RuntimeError):
@@ -12,57 +13,139 @@ class BlockPoolError(RuntimeError):
 class BlockPool:
     """The physical blocks of the KV cache (shared by every layer group), as plain integer ids.
 
-    Ids are handed out oldest-freed first (a FIFO queue), which keeps allocation order
-    deterministic and easy to narrate in tests. The pool never grows.
+    Each block has a reference count: the sequences whose tables hold it. With prefix
+    caching a full block may also carry a key (layer group, chained hash of its tokens) under
+    which `lookup` finds it; such a block keeps its key when its last holder lets go and
+    waits, still findable, in an LRU of evictable blocks. A block is taken from the truly
+    free ones first (oldest freed first, which keeps allocation order deterministic and easy
+    to narrate in tests), else the least recently used evictable one loses its key and is
+    reused. So free = truly free + evictable. The pool never grows.
+
+    For exact admission with sharing (`KVCacheManager`), the pool keeps three counters:
+    blocks in use (``num_used``), references to full-attention blocks (``full_refs``) and
+    ring blocks held by exactly one sequence (``ring_exclusive``).
 
     Args:
         num_blocks: how many physical blocks the cache tensors hold.
     """
 
-    __slots__ = ("_free", "_in_use", "num_blocks")
+    __slots__ = ("_cached", "_evictable", "_free", "_key", "_ref", "_ring", "evictions",
+                 "full_refs", "num_blocks", "num_used", "ring_exclusive")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._in_use = bytearray(num_blocks)
+        self._ref = [0] * num_blocks
+        self._ring = bytearray(num_blocks)
+        self._key: list[Hashable | None] = [None] * num_blocks
+        self._cached: dict[Hashable, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_used = 0
+        self.full_refs = 0
+        self.ring_exclusive = 0
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a caller can take: truly free plus evictable."""
+        return len(self._free) + len(self._evictable)
 
     @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+    def num_cached(self) -> int:
+        """Blocks that carry a key (in use or evictable)."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, 0.0 for an empty pool."""
         return self.num_used / self.num_blocks if self.num_blocks else 0.0
 
-    def allocate(self) -> int:
-        """Take one free block id.
+    def allocate(self, *, ring: bool = False) -> int:
+        """Take one block (reference count 1), evicting the least recently used cached one
+        when no block is truly free.
+
+        Args:
+            ring: the block goes into a sliding (ring) group's table (for the counters).
 
         Raises:
-            BlockPoolError: the pool is empty (admission should have prevented it).
+            BlockPoolError: every block is in use (admission should have prevented it).
         """
-        if not self._free:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._key[block]]
+            self._key[block] = None
+            self.evictions += 1
+        else:
             raise BlockPoolError(f"no free block left (all {self.num_blocks} in use)")
-        block = self._free.popleft()
-        self._in_use[block] = 1
+        self._ring[block] = ring
+        self._set_ref(block, 1)
         return block
 
-    def free(self, block: int) -> None:
-        """Give a block id back.
+    def pin(self, block: int) -> None:
+        """One more holder of a cached block (found by `lookup`), or of a block in use."""
+        if self._ref[block] == 0:
+            if block not in self._evictable:
+                raise BlockPoolError(f"block {block} is free and holds nothing to share")
+            del self._evictable[block]
+        self._set_ref(block, self._ref[block] + 1)
+
+    def free(self, block: int) -> bool:
+        """One holder lets go of a block.
+
+        Returns:
+            True when the block's contents are gone for good (it went back to the truly
+            free blocks); False while it is still held or, cached, waits as evictable.
 
         Raises:
             BlockPoolError: the id is not one of this pool's blocks in use.
         """
-        if not 0 <= block < self.num_blocks or not self._in_use[block]:
+        if not 0 <= block < self.num_blocks or not self._ref[block]:
             raise BlockPoolError(f"block {block} is not in use and cannot be freed")
-        self._in_use[block] = 0
+        self._set_ref(block, self._ref[block] - 1)
+        if self._ref[block]:
+            return False
+        if self._key[block] is not None:
+            self._evictable[block] = None
+            return False
         self._free.append(block)
+        return True
+
+    def register(self, block: int, key: Hashable) -> bool:
+        """Make a full block in use findable under ``key``; False if another block already
+        holds that key (the same tokens computed twice) or this one holds a key."""
+        if key in self._cached or self._key[block] is not None or not self._ref[block]:
+            return False
+        self._cached[key] = block
+        self._key[block] = key
+        return True
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The block cached under ``key``, or None. Marks it recently used."""
+        block = self._cached.get(key)
+        if block is not None and block in self._evictable:
+            self._evictable.move_to_end(block)
+        return block
 
     def is_used(self, block: int) -> bool:
-        return bool(self._in_use[block])
+        return bool(self._ref[block])
+
+    def ref(self, block: int) -> int:
+        return self._ref[block]
+
+    def keeps(self, block: int) -> bool:
+        """True if the block's contents must not be overwritten in place: another sequence
+        holds it too, or it is cached for later hits."""
+        return self._ref[block] > 1 or self._key[block] is not None
+
+    def _set_ref(self, block: int, new: int) -> None:
+        old = self._ref[block]
+        self._ref[block] = new
+        self.num_used += (new > 0) - (old > 0)
+        if self._ring[block]:
+            self.ring_exclusive += (new == 1) - (old == 1)
+        else:
+            self.full_refs += new - old

@@ -11,20 +11,33 @@ which sits in entry ``(p // b) % R`` of the sequence's table row::
 Writing ``p`` overwrites ``p - C``; since ``C >= w`` no present or future query (which sees
 ``i - w < j <= i``) can still need it. A full-attention group is the case ``R = None``: the
 row grows one entry per ``b`` tokens.
+
+Slack: a ring that must be able to replace a whole block when it comes back to its entry
+(prefix caching: the block is shared or cached, so it is not overwritten in place) needs
+that block's every position expired at that moment. Starting block ``k`` at position
+``k * b``, the entry held block ``k - R``, whose last position ``(k - R + 1) * b - 1`` is
+visible to the query at ``k * b`` unless ``R * b >= w + b - 1``. So such a ring has
+``R = ceil((w + b - 1) / b)`` blocks: ``slack = b - 1`` tokens beyond the window::
+
+    b = 4, w = 8:  R = 2 in place (position 8 overwrites 0; 5..7 stay until 9..11 come)
+                   R = 3 with slack 3 (block 2 takes a fresh block: 0..3 all expired at 8)
 """
 
 from __future__ import annotations
 
 
-def ring_length(window: int | None, block_size: int) -> int | None:
-    """Blocks in a ring for ``window`` tokens: ``ceil(window / block_size)``, None if full."""
+def ring_length(window: int | None, block_size: int, slack: int = 0) -> int | None:
+    """Blocks in a ring for ``window`` tokens: ``ceil((window + slack) / block_size)``, None
+    for full attention (see the module's note on slack)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if window is None:
         return None
     if window < 1:
         raise ValueError(f"sliding window must be >= 1 or None, got {window}")
-    return -(-window // block_size)
+    if slack < 0:
+        raise ValueError(f"ring slack must be >= 0, got {slack}")
+    return -(-(window + slack) // block_size)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int, ring_blocks: int | None) -> int:

@@ -27,6 +27,8 @@ class EngineConfig:
         max_num_batched_tokens: tokens fed to the model per step.
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
+        enable_prefix_caching: reuse the K/V of prompt prefixes computed before (vLLM's
+            automatic prefix caching; on by default, as in vLLM v1).
         debug_kv: check every cached position a step reads against a shadow of slot
             owners (O(window) per sequence and step; tests turn it on). Without it, the
             oldest and newest position each step reads are checked, at O(1).
@@ -43,6 +45,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
     debug_kv: bool = False
     cache_dir: str | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION

@@ -59,11 +59,13 @@ class LLMEngine:
         mcfg = self.model.config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
-        spec = kv_cache_spec(mcfg, config.block_size, self.dtype)
+        spec = kv_cache_spec(mcfg, config.block_size, self.dtype,
+                             prefix_caching=config.enable_prefix_caching)
         memory = kv_memory_bytes(config, self.device)
         num_blocks = plan_num_blocks(spec, memory)
         self.kv = KVCacheManager(spec, num_blocks, max_model_len=self.max_model_len,
-                                 debug=config.debug_kv)
+                                 debug=config.debug_kv,
+                                 enable_prefix_caching=config.enable_prefix_caching)
         caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -241,6 +243,10 @@ class LLMEngine:
             "kv_cache_usage_perc": kv.blocks_used / total if total else 0.0,
             "ring_block_recycles": kv.ring_block_recycles,
             "ring_slot_overwrites": kv.ring_slot_overwrites,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_blocks": kv.blocks_cached,
+            "prefix_cache_evictions": kv.blocks_evicted,
             "kv_read_misses": kv.read_misses,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),

@@ -41,6 +41,7 @@ class ModelRunner:
         self.tables = [torch.zeros((max_num_seqs, w), dtype=torch.int32) for w in widths]
         self._row: dict[int, int] = {}
         self._synced: dict[int, list[int]] = {}
+        self._swaps: dict[int, list[int]] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def release(self, seq_id: int) -> None:
@@ -48,7 +49,7 @@ class ModelRunner:
         row = self._row.pop(seq_id, None)
         if row is not None:
             self._free_rows.append(row)
-            del self._synced[seq_id]
+            del self._synced[seq_id], self._swaps[seq_id]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -60,7 +61,12 @@ class ModelRunner:
             whose `samples` is true.
         """
         input_ids, batch = self.prepare(scheduled)
-        hidden = self.model(input_ids, batch, self.caches)
+        try:
+            hidden = self.model(input_ids, batch, self.caches)
+        except BaseException:
+            self.kv.discard()  # what this step wrote is not to be found by later prompts
+            raise
+        self.kv.commit()
         return self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
@@ -76,10 +82,15 @@ class ModelRunner:
             seq, n = item.seq, item.num_new
             start = seq.num_computed
             self.kv.check_reads(seq.seq_id, start)
-            for g, mapping in enumerate(self.kv.append(seq.seq_id, n)):
-                slots[g] += mapping
+            # NOTE: the rows the step reads are taken before its append: attention reads
+            # only positions before `start`, and with prefix caching the append may give a
+            # ring entry a fresh block (for positions this step writes) while the step's
+            # first queries still read the old one.
             rows.append(self._sync_row(seq.seq_id))
-            ids += seq.token_ids[start : start + n]
+            tokens = seq.token_ids[start : start + n]
+            for g, mapping in enumerate(self.kv.append(seq.seq_id, n, tokens)):
+                slots[g] += mapping
+            ids += tokens
             positions += range(start, start + n)
             context.append(start)
             starts.append(starts[-1] + n)
@@ -107,16 +118,22 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64).to(dev), batch
 
     def _sync_row(self, seq_id: int) -> int:
-        """Copy the block ids a sequence gained since last step into its table row."""
+        """Copy the block ids a sequence gained since last step into its table row (the
+        whole row where a ring entry took a fresh block)."""
         row = self._row.get(seq_id)
         if row is None:
             row = self._free_rows.pop()
             self._row[seq_id] = row
             self._synced[seq_id] = [0] * len(self.rings)
-        synced = self._synced[seq_id]
+            self._swaps[seq_id] = [0] * len(self.rings)
+        synced, seen = self._synced[seq_id], self._swaps[seq_id]
+        swaps = self.kv.row_swaps(seq_id)
         for g, blocks in enumerate(self.kv.block_tables(seq_id)):
-            if len(blocks) > synced[g]:
-                new = blocks[synced[g] :]
-                self.tables[g][row, synced[g] : len(blocks)] = torch.tensor(new, dtype=torch.int32)
+            first = synced[g]
+            if swaps[g] != seen[g]:
+                first, seen[g] = 0, swaps[g]
+            if len(blocks) > first:
+                self.tables[g][row, first : len(blocks)] = torch.tensor(blocks[first:],
+                                                                        dtype=torch.int32)
                 synced[g] = len(blocks)
         return row

@@ -73,14 +73,20 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.kv.can_admit(seq.num_prompt_tokens, seq.max_tokens):
-                break  # FCFS: the head waits for room; later ones do not jump it
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            # FCFS: the head waits for room, or for a running sequence to finish computing
+            # the prefix it shares (then it reuses it); later ones do not jump it.
+            if self.kv.waits_for_prefix(prompt) or not self.kv.can_admit(
+                    seq.num_prompt_tokens, seq.max_tokens, prompt):
+                break
             self.waiting.popleft()
-            self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens)
+            seq.num_computed = self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens,
+                                             prompt)
+            seq.num_cached_tokens = seq.num_computed
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return SchedulerOutput(out)

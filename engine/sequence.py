@@ -59,6 +59,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             p.add_argument(f"--{flag}", type=kind, default=base.get(key),
                            help=f"{help_text} (default: {base.get(key)})")
+    for p in (serve, gen):
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=base.get("enable_prefix_caching", True),
+                       help="reuse the K/V of prompt prefixes computed before (default: "
+                       f"{base.get('enable_prefix_caching', True)})")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser

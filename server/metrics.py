@@ -37,6 +37,7 @@ GAUGES = {
     "weight_bytes": "Bytes the model's weights take in memory (quantized where quantized).",
     "decode_weight_bytes_per_token": "Weight bytes one decode step reads (its floor is "
     "this over the memory bandwidth).",
+    "prefix_cache_blocks": "KV blocks findable by the prefix cache (in use or evictable).",
 }
 COUNTERS = {
     "ring_block_recycles": "KV blocks reused in place by a ring.",
@@ -46,6 +47,9 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens computed.",
     "generation_tokens": "Tokens generated.",
     "requests_rejected": "Requests refused by the engine as invalid.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again).",
+    "prefix_cache_evictions": "Cached KV blocks evicted to make room.",
 }
 GROUP_GAUGES = {  # per window's layer groups: (KVStats field, help)
     "kv_group_blocks_used": ("blocks_used_per_group", "KV blocks of a layer group in use."),

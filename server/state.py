@@ -37,6 +37,7 @@ class ServeArgs:
     api_key: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 4 * 2**20
+    enable_prefix_caching: bool = True
     debug_kv: bool = False
     cache_dir: str | None = None
 
@@ -47,6 +48,7 @@ class ServeArgs:
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,
+                    enable_prefix_caching=self.enable_prefix_caching,
                     cache_dir=self.cache_dir)
 
 

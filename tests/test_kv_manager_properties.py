@@ -10,6 +10,7 @@ free or in exactly one table row.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -180,3 +181,184 @@ def test_predicted_reservation_equals_what_the_tables_take() -> None:
                     chunk = chunk * 2 + 1
                 assert (len(kv.block_tables("s")[0]),) == kv.reservation(total - 1, 1)
                 kv.release("s")
+
+
+class PrefixRingMachine(RuleBasedStateMachine):
+    """The same ring with prefix caching: prompts drawn from a few shared stems over a tiny
+    vocabulary, so sequences hit, share, swap and evict each other's blocks. The shadow here
+    names a slot's contents by the exact tokens it was computed from (group, tokens up to
+    the position), not by the manager's hashes: a hit must hand over exactly the K/V a fresh
+    computation would write, and a failed step's writes must never be found."""
+
+    seqs = Bundle("seqs")
+
+    @initialize(
+        block_size=st.integers(1, 4),
+        layer_windows=st.lists(windows, min_size=1, max_size=6),
+        pool_blocks=st.integers(8, 80),
+        stems=st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1,
+                       max_size=3),
+    )
+    def setup(self, block_size: int, layer_windows: list[int | None], pool_blocks: int,
+              stems: list[list[int]]) -> None:
+        self.b = block_size
+        self.spec = KVCacheSpec(
+            block_size=block_size, dtype_bytes=2, ring_slack=block_size - 1,
+            groups=group_layers(layer_windows, num_kv_heads=1, head_dim=4),
+        )
+        self.windows = [g.window for g in self.spec.groups]
+        self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=80, debug=True,
+                                 enable_prefix_caching=True)
+        self.stems = stems
+        self.shadow: dict[int, tuple[object, ...]] = {}
+        self.tokens: dict[int, list[int]] = {}  # every token the sequence will hold
+        self.length: dict[int, int] = {}
+        self.next_id = 0
+
+    def _window(self, g: int, length: int) -> range:
+        window = self.windows[g]
+        return range(0 if window is None else max(0, length - window + 1), length)
+
+    def _slot(self, row: list[int], p: int, g: int) -> int:
+        window = self.windows[g]
+        ring = None if window is None else -(-(window + self.b - 1) // self.b)
+        entry = p // self.b if ring is None else (p // self.b) % ring
+        return row[entry] * self.b + p % self.b
+
+    @rule(target=seqs, stem=st.integers(0, 2), tail=st.lists(st.integers(0, 2), max_size=10),
+          extra=st.lists(st.integers(0, 2), min_size=1, max_size=20))
+    def add(self, stem: int, tail: list[int], extra: list[int]) -> int:
+        sid = self.next_id
+        self.next_id += 1
+        prompt = self.stems[stem % len(self.stems)] + tail
+        if not prompt:
+            return sid
+        need = sum(self.kv.reservation(len(prompt), len(extra)))
+        if need > self.kv.pool.num_blocks:
+            with pytest.raises(RequestTooLargeError):
+                self.kv.check_request(len(prompt), len(extra))
+            return sid
+        if not self.kv.can_admit(len(prompt), len(extra), prompt):
+            return sid
+        cached = self.kv.admit(sid, len(prompt), len(extra), prompt)
+        assert cached % self.b == 0 and 0 <= cached < len(prompt)
+        assert self.kv.num_tokens(sid) == cached
+        self.tokens[sid] = prompt + extra
+        self.length[sid] = cached
+        rows = self.kv.block_tables(sid)
+        for g in range(len(self.windows)):  # the hit holds exactly what computing would
+            for p in self._window(g, cached):
+                slot = self._slot(rows[g], p, g)
+                assert self.shadow.get(slot) == (g, tuple(prompt[: p + 1])), (g, p)
+        return sid
+
+    def _append(self, sid: int, n: int, fail: bool = False) -> None:
+        if sid not in self.length:
+            return
+        start = self.length[sid]
+        n = min(n, len(self.tokens[sid]) - start)
+        if n <= 0:
+            return
+        assert self.kv.check_reads(sid, start) == 0
+        tokens = self.tokens[sid][start : start + n]
+        for g, slots in enumerate(self.kv.append(sid, n, tokens)):
+            written = [s for s in slots if s != SKIP_SLOT]
+            assert len(written) == len(set(written)), "two positions of one step share a slot"
+            for offset, slot in enumerate(slots):
+                if slot != SKIP_SLOT:
+                    p = start + offset
+                    self.shadow[slot] = ("garbage",) if fail else \
+                        (g, tuple(self.tokens[sid][: p + 1]))
+        self.length[sid] = start + n
+        if fail:  # the step raised: nothing it wrote may be found, its sequences end
+            self.kv.discard()
+            self.kv.release(sid)
+            del self.length[sid], self.tokens[sid]
+        else:
+            self.kv.commit()
+
+    @rule(sid=seqs, n=st.integers(1, 30))
+    def prefill_chunk(self, sid: int, n: int) -> None:
+        self._append(sid, n)
+
+    @rule(sid=seqs)
+    def decode_one(self, sid: int) -> None:
+        self._append(sid, 1)
+
+    @rule(sid=consumes(seqs), n=st.integers(1, 10))
+    def failed_step(self, sid: int, n: int) -> None:
+        self._append(sid, n, fail=True)
+
+    @rule(sid=consumes(seqs))
+    def finish_or_abort(self, sid: int) -> None:
+        if sid in self.length:
+            self.kv.release(sid)
+            del self.length[sid], self.tokens[sid]
+
+    @invariant()
+    def windows_are_intact(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for sid, length in self.length.items():
+            rows = self.kv.block_tables(sid)
+            for g in range(len(self.windows)):
+                for p in self._window(g, length):
+                    slot = self._slot(rows[g], p, g)
+                    assert self.shadow.get(slot) == (g, tuple(self.tokens[sid][: p + 1]))
+
+    @invariant()
+    def blocks_are_accounted(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        pool, stats = self.kv.pool, self.kv.stats()
+        holders: dict[int, int] = {}
+        for sid in self.length:
+            rows = self.kv.block_tables(sid)
+            need = self.kv.reservation(len(self.tokens[sid]), 0)
+            for g, row in enumerate(rows):
+                assert len(row) == len(set(row)) <= need[g]
+                for blk in row:
+                    holders[blk] = holders.get(blk, 0) + 1
+        assert all(pool.ref(blk) == n for blk, n in holders.items()), "a leaked reference"
+        assert pool.num_used == len(holders) == stats.blocks_used
+        assert pool.num_free + pool.num_used == pool.num_blocks
+        assert stats.blocks_used <= stats.blocks_reserved <= pool.num_blocks
+        assert stats.read_misses == 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for sid in list(self.length):
+            self.kv.release(sid)
+        stats = self.kv.stats()
+        assert stats.blocks_used == 0 and stats.blocks_reserved == 0
+        assert self.kv.pool.num_free == self.kv.pool.num_blocks
+
+
+PrefixRingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
+                                               deadline=None)
+TestPrefixRing = PrefixRingMachine.TestCase
+
+
+def test_every_chunking_of_every_prompt_names_only_intact_blocks() -> None:
+    """Prefix caching over every prompt length and chunk size (b=4, w=6: R=3 with slack):
+    a second sequence with the same prompt hits, and every position it reads holds what it
+    should (the manager's shadow, in debug mode). A chunk longer than the ring overwrites
+    its own early blocks: those must never be named for the cache."""
+    b = 4
+    spec = KVCacheSpec(block_size=b, dtype_bytes=2, ring_slack=b - 1,
+                       groups=group_layers([6, 6, None], num_kv_heads=1, head_dim=4))
+    for length in range(1, 30):
+        for chunk in (1, 3, 5, 8, 12, 13, 16):
+            kv = KVCacheManager(spec, 400, max_model_len=100, debug=True,
+                                enable_prefix_caching=True)
+            tokens = [(7 * i + length) % 11 for i in range(length + 8)]
+            for sid in ("first", "second"):
+                n = kv.admit(sid, length, 8, tokens[:length])
+                assert sid == "first" or n == (length - 1) // b * b
+                while n < length + 8:
+                    step = min(chunk, length - n) if n < length else 1
+                    assert kv.check_reads(sid, n) == 0, (length, chunk, sid, n)
+                    kv.append(sid, step, tokens[n : n + step])
+                    kv.commit()
+                    n += step

@@ -40,6 +40,7 @@ DESIGN_SERIES = [
     "kv_blocks_per_sequence_bucket",
     "kv_group_blocks_used", "kv_group_blocks_reserved",
     "kv_group_ring_blocks", "kv_block_size", "http_requests_rejected_total",
+    "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_blocks",
 ]
 
 
@@ -59,7 +60,8 @@ def test_metrics_has_every_design_series(server: Server) -> None:
             assert 'model_name="tiny"' in line, line
     assert 'kv_group_blocks_used{group="sliding_6",model_name="tiny"}' in text
     assert 'kv_group_blocks_reserved{group="full",model_name="tiny"}' in text
-    assert 'kv_group_ring_blocks{group="sliding_6",model_name="tiny"} 2.0' in text  # 6/4
+    # R = ceil((6 + 3) / 4): prefix caching (on by default) gives each ring b - 1 slack
+    assert 'kv_group_ring_blocks{group="sliding_6",model_name="tiny"} 3.0' in text
     # One pool for all groups; capacity for a short, a window-long and a max_model_len
     # request. The tiny gemma3 has 3 sliding layers (w=6: R=2 blocks of 4) and 1 full one,
     # each a group of its own.
@@ -67,7 +69,7 @@ def test_metrics_has_every_design_series(server: Server) -> None:
     total = int(stats["kv_blocks_total"])
     assert total > 0
     for tokens in (6, 256):
-        count = total // (3 * min(-(-tokens // 4), 2) + -(-tokens // 4))
+        count = total // (3 * min(-(-tokens // 4), 3) + -(-tokens // 4))
         assert (f'max_concurrent_sequences{{model_name="tiny",tokens="{tokens}"}} '
                 f'{float(count)}') in text
 

@@ -1,0 +1,98 @@
+"""Prefix caching: chained block hashes, and the longest prefix every layer group can reuse.
+
+Block ``k`` of a sequence (tokens ``[k*b, (k+1)*b)``) is named by a hash of its parent's
+name and its own tokens, so a name stands for the whole prefix up to the block's end. A
+group finds a block by (group, name). A prefix of ``L = m * b`` tokens is a hit when:
+
+- full attention: blocks ``0 .. m-1`` are all cached (what a later query reads);
+- a ring of window ``w``: the blocks holding positions ``[max(0, L - w + 1), L)`` are cached
+  (the keys a query at ``L`` or later can still see); older ones need not be.
+
+The usable hit is the longest ``L`` that every group can serve, at most ``prompt - 1`` tokens:
+the last prompt token is always computed, for the first logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from block_manager.budget import KVCacheSpec
+from block_manager.ring import blocks_for_tokens, table_index
+
+ROOT = b"ringserve-prefix-v1"
+
+
+def extend_chain(chain: list[bytes], tokens: Sequence[int], block_size: int) -> None:
+    """Append the names of the full blocks of ``tokens`` that ``chain`` does not name yet."""
+    for k in range(len(chain), len(tokens) // block_size):
+        parent = chain[k - 1] if k else ROOT
+        block = tokens[k * block_size : (k + 1) * block_size]
+        data = b",".join(str(t).encode() for t in block)
+        chain.append(hashlib.sha256(parent + b"|" + data).digest()[:16])
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A usable prefix: ``num_blocks`` blocks, and each group's table row for it (in table
+    order; None where a ring entry holds only expired positions: it gets a fresh block)."""
+
+    num_blocks: int
+    rows: list[list[int | None]]
+
+    @property
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """(group, block) of every cached block the rows pin."""
+        return [(g, blk) for g, row in enumerate(self.rows) for blk in row if blk is not None]
+
+
+def find_hit(spec: KVCacheSpec, chain: Sequence[bytes], prompt_len: int,
+             lookup: Callable[[int, bytes], int | None]) -> Hit:
+    """The longest prefix every group of ``spec`` serves from cached blocks.
+
+    Args:
+        chain: the prompt's block names (at least its full blocks).
+        prompt_len: prompt tokens; the hit stays under it.
+        lookup: (group, name) -> cached block or None.
+    """
+    b = spec.block_size
+    top = min(len(chain), (prompt_len - 1) // b)
+    found: list[list[int | None]] = []
+    ok_prefix: list[list[int]] = []  # per group: cumulative count of cached blocks
+    for g, group in enumerate(spec.groups):
+        blocks = [lookup(g, name) for name in chain[:top]]
+        found.append(blocks)
+        ok_prefix.append([0, *accumulate(blk is not None for blk in blocks)])
+        if group.window is None:  # only the run from block 0 counts
+            run = next((k for k, blk in enumerate(blocks) if blk is None), top)
+            top = min(top, run)
+    m = top
+    while m > 0 and not all(_serves(spec, g, ok_prefix[g], m) for g in range(len(spec.groups))):
+        m -= 1
+    rows = [_row(spec, g, found[g], m) for g in range(len(spec.groups))]
+    return Hit(num_blocks=m, rows=rows)
+
+
+def _first_needed(spec: KVCacheSpec, group: int, m: int) -> int:
+    """First block a query at position ``m * b`` or later still reads in ``group``."""
+    window = spec.groups[group].window
+    if window is None:
+        return 0
+    return max(0, m * spec.block_size - window + 1) // spec.block_size
+
+
+def _serves(spec: KVCacheSpec, group: int, ok: list[int], m: int) -> bool:
+    lo = _first_needed(spec, group, m)
+    return ok[m] - ok[lo] == m - lo
+
+
+def _row(spec: KVCacheSpec, group: int, blocks: list[int | None], m: int) -> list[int | None]:
+    b, ring = spec.block_size, spec.ring_blocks(group)
+    size = blocks_for_tokens(m * b, b, ring)
+    row: list[int | None] = [None] * size
+    lo = _first_needed(spec, group, m)
+    for k in range(m - size, m):
+        row[table_index(k * b, b, ring)] = blocks[k] if k >= lo else None
+    return row
