@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
 from block_manager.prefix import Hit, extend_chain, find_hit
-from block_manager.ring import table_index
 from block_manager.table import SKIP_SLOT, BlockTable
 
 
@@ -182,7 +181,8 @@ class KVCacheManager:
                 self._reserved_full += n
             else:
                 self._reserved_ring += n
-        tables = [BlockTable(self.pool, self.spec.block_size, ring) for ring in self.ring_blocks]
+        tables = [BlockTable(self.pool, self.spec.block_size, ring, keep_steps=self.caching)
+                  for ring in self.ring_blocks]
         state = _SeqState(tables, need, prompt_len + max_tokens)
         self._seqs[seq_id] = state
         if not self.caching:
@@ -247,7 +247,9 @@ class KVCacheManager:
             self._stepped.append(seq_id)
         mappings = []
         for i, table in enumerate(state.tables):
-            slots, recycled, overwritten = table.append(num_new)
+            # blocks nobody is promised: a long step may park its own blocks in them
+            spare = self.pool.num_blocks - self._committed() - self.pool.num_parked
+            slots, recycled, overwritten = table.append(num_new, spare)
             self._recycles += recycled
             self._overwrites += overwritten
             self._record(i, seq_id, state, start, slots)
@@ -259,9 +261,9 @@ class KVCacheManager:
     def commit(self) -> None:
         """The step's K/V are written: make the blocks it filled findable by their names."""
         for block, key in self._pending:
-            if self.pool.is_used(block):
-                self.pool.register(block, key)
+            self.pool.register(block, key)
         self._pending.clear()
+        self.pool.unpark()
         b = self.spec.block_size
         for seq_id in self._stepped:
             state = self._seqs.get(seq_id)
@@ -274,6 +276,7 @@ class KVCacheManager:
         """The step failed: what it wrote is not to be found."""
         self._pending.clear()
         self._stepped.clear()
+        self.pool.unpark()
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's table row per group (a ring row holds at most ``R`` ids)."""
@@ -409,14 +412,12 @@ class KVCacheManager:
     def _filled(self, group: int, seq_id: Hashable, state: _SeqState, table: BlockTable,
                 start: int, end: int) -> None:
         """Blocks this append completed: name them in the shadow, and queue them for the
-        cache; in a ring, only those it did not overwrite itself (positions before
-        ``end - C`` are gone: their entry already holds a later block)."""
+        cache."""
         b = self.spec.block_size
-        intact = 0 if table.capacity is None else end - table.capacity
         for k in range(start // b, end // b):
-            if k * b < intact:
+            if table.lost(k * b, end):  # overwritten in place by this very step
                 continue
-            block = table.blocks[table_index(k * b, b, table.ring_blocks)]
+            block = table.block_of(k)
             name = state.chain[k]
             for p in range(k * b, start):  # written before the block had a name
                 self._shadow[block * b + p % b] = (group, name, p)

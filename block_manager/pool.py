@@ -29,8 +29,8 @@ class BlockPool:
         num_blocks: how many physical blocks the cache tensors hold.
     """
 
-    __slots__ = ("_cached", "_evictable", "_free", "_key", "_ref", "_ring", "evictions",
-                 "full_refs", "num_blocks", "num_used", "ring_exclusive")
+    __slots__ = ("_cached", "_evictable", "_free", "_key", "_parked", "_ref", "_ring",
+                 "evictions", "full_refs", "num_blocks", "num_used", "ring_exclusive")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -42,6 +42,7 @@ class BlockPool:
         self._key: list[Hashable | None] = [None] * num_blocks
         self._cached: dict[Hashable, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._parked: set[int] = set()
         self.num_used = 0
         self.full_refs = 0
         self.ring_exclusive = 0
@@ -114,10 +115,34 @@ class BlockPool:
         self._free.append(block)
         return True
 
+    def park(self, block: int) -> None:
+        """Let go of a block whose contents the current step is still writing: nobody holds
+        it, yet it is neither free nor evictable until `unpark` (after `register`)."""
+        if not 0 <= block < self.num_blocks or self._ref[block] != 1:
+            raise BlockPoolError(f"block {block} is not held by one sequence alone")
+        self._set_ref(block, 0)
+        self._parked.add(block)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def unpark(self) -> None:
+        """The step is over: parked blocks become evictable (with a key) or free."""
+        for block in self._parked:
+            if self._key[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+        self._parked.clear()
+
     def register(self, block: int, key: Hashable) -> bool:
-        """Make a full block in use findable under ``key``; False if another block already
-        holds that key (the same tokens computed twice) or this one holds a key."""
-        if key in self._cached or self._key[block] is not None or not self._ref[block]:
+        """Make a full block in use (or parked) findable under ``key``; False if another
+        block already holds that key (the same tokens computed twice) or this one holds a
+        key."""
+        if key in self._cached or self._key[block] is not None:
+            return False
+        if not self._ref[block] and block not in self._parked:
             return False
         self._cached[key] = block
         self._key[block] = key

@@ -26,11 +26,14 @@ class BlockTable:
         ring_blocks: ring length ``R``, or None for a full-attention group.
     """
 
-    __slots__ = ("block_size", "blocks", "capacity", "num_tokens", "pool", "ring_blocks",
-                 "swaps")
+    __slots__ = ("block_size", "blocks", "capacity", "keep_steps", "num_tokens", "parked",
+                 "pool", "ring_blocks", "swaps")
 
-    def __init__(self, pool: BlockPool, block_size: int, ring_blocks: int | None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, ring_blocks: int | None, *,
+                 keep_steps: bool = False) -> None:
         self.pool = pool
+        self.keep_steps = keep_steps
+        self.parked: dict[int, int] = {}  # logical block -> the block that holds it, parked
         self.block_size = block_size
         self.ring_blocks = ring_blocks
         self.capacity = None if ring_blocks is None else ring_blocks * block_size
@@ -43,7 +46,7 @@ class BlockTable:
         b = self.block_size
         return self.blocks[table_index(position, b, self.ring_blocks)] * b + position % b
 
-    def append(self, num_new: int) -> tuple[list[int], int, int]:
+    def append(self, num_new: int, spare: int = 0) -> tuple[list[int], int, int]:
         """Extend the sequence by ``num_new`` positions and say where each one is written.
 
         Blocks are taken from the pool as the sequence needs them. When one step stores more
@@ -51,11 +54,14 @@ class BlockTable:
         later position of the same step overwrites gets `SKIP_SLOT`: no query after this
         step can see it, and two writes to one slot in a parallel kernel would race.
 
-        When the ring comes back to an entry whose block another sequence shares or the
-        prefix cache keeps (`BlockPool.keeps`), the entry takes a fresh block instead of
-        overwriting it: the old contents have expired for this sequence, not for the others;
-        the old block goes back to the pool, still findable by its hash. Either way the row
-        holds at most ``R`` blocks.
+        With ``keep_steps`` (prefix caching), a block someone may still want is never
+        overwritten in place: when the ring comes back to an entry whose block another
+        sequence shares or the prefix cache keeps (`BlockPool.keeps`), the entry takes a
+        fresh block and the old one goes back to the pool, still findable by its hash. A
+        block this very step wrote is kept the same way while the pool has ``spare``
+        blocks nobody is promised: it is parked until the step's K/V are in (`parked`), so
+        a long chunk can leave every block it fills to the cache; without spare it is
+        overwritten in place as above. Either way the row holds at most ``R`` blocks.
 
         Returns:
             (slot mapping for positions ``[old_len, old_len + num_new)``, blocks recycled,
@@ -66,24 +72,46 @@ class BlockTable:
         need = blocks_for_tokens(end, b, ring)
         while len(self.blocks) < need:
             self.blocks.append(self.pool.allocate(ring=ring is not None))
-        if ring is not None:
+        self.parked = {}
+        if ring is not None and self.keep_steps:
             # logical blocks this step starts that reuse an entry of the ring
             for k in range(max(-(-start // b), ring), -(-end // b)):
                 entry = table_index(k * b, b, ring)
                 old = self.blocks[entry]
                 if self.pool.keeps(old):
-                    self.blocks[entry] = self.pool.allocate(ring=True)
+                    # NOTE: let go first: in a full pool the fresh block may be the old one
+                    # itself, evicted from the cache (its contents have expired for us).
                     self.pool.free(old)
+                    self.blocks[entry] = self.pool.allocate(ring=True)
                     self.swaps += 1
+                elif (k - ring + 1) * b > start and spare > 0:  # written by this step
+                    self.pool.park(old)
+                    self.blocks[entry] = self.pool.allocate(ring=True)
+                    self.parked[k - ring] = old
+                    self.swaps += 1
+                    spare -= 1
         self.num_tokens = end
-        first_kept = start if self.capacity is None else max(start, end - self.capacity)
-        slots = [SKIP_SLOT] * (first_kept - start)
-        slots += [self.slot(p) for p in range(first_kept, end)]
+        slots = [SKIP_SLOT if self.lost(p, end) else self.block_of(p // b) * b + p % b
+                 for p in range(start, end)]
         return (
             slots,
             recycles_between(start, end, b, ring),
             overwrites_between(start, end, self.capacity),
         )
+
+    def lost(self, position: int, end: int) -> bool:
+        """True if a step storing up to ``end`` overwrites ``position`` in place."""
+        return (self.capacity is not None and position + self.capacity < end
+                and position // self.block_size not in self.parked)
+
+    def block_of(self, logical: int) -> int:
+        """The block that holds logical block ``logical`` (one the last step parked, or the
+        row's entry for it)."""
+        parked = self.parked.get(logical)
+        if parked is not None:
+            return parked
+        return self.blocks[table_index(logical * self.block_size, self.block_size,
+                                       self.ring_blocks)]
 
     def adopt(self, num_tokens: int, blocks: list[int | None]) -> None:
         """Start the row at ``num_tokens`` cached positions (a prefix-cache hit).

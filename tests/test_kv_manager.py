@@ -236,3 +236,43 @@ def test_parse_size(text: str | int, expected: int) -> None:
 def test_parse_size_rejects_nonsense(text: str) -> None:
     with pytest.raises(ValueError, match="not a memory size"):
         parse_size(text)
+
+
+def test_a_ring_reaching_a_shared_block_takes_a_fresh_one_narrated() -> None:
+    # b=2, w=4, prefix caching: R = ceil((4 + 1) / 2) = 3 (one token of slack), C = 6.
+    spec = KVCacheSpec(block_size=2, dtype_bytes=2, ring_slack=1, groups=(
+        LayerGroup(name="s", window=4, layer_ids=(0,), num_kv_heads=1, head_dim=4),))
+    kv = KVCacheManager(spec, 12, max_model_len=32, debug=True, enable_prefix_caching=True)
+    assert kv.ring_blocks == [3]
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    assert kv.admit("A", 7, 4, prompt) == 0  # nothing cached yet
+    # One chunk of 7 > C. p6 starts logical block 3 at entry 0, whose block 0 this very
+    # step wrote: the entry takes fresh block 3 and block 0 is parked, so every position is
+    # written (without caching, or without a spare block, p0 would be skipped and
+    # overwritten by p6 in place).
+    assert kv.append("A", 7, prompt) == [[0, 1, 2, 3, 4, 5, 6]]
+    assert kv.block_tables("A") == [[3, 1, 2]]
+    assert kv.pool.num_parked == 1
+    kv.commit()  # the K/V are in: blocks 0, 1, 2 are named; block 0 waits as evictable
+    assert kv.pool.num_cached == 3 and kv.pool.num_parked == 0
+    assert kv.pool.num_free == 9  # 12 less the 3 A holds; block 0 counts as free
+    # B, same prompt: a query at 6 reads p3..p5, so blocks 1 and 2 serve a hit of 6 tokens;
+    # the entry of logical block 0 holds only expired positions and gets a fresh block, 4.
+    assert kv.admit("B", 7, 4, prompt) == 6
+    assert kv.block_tables("B") == [[4, 1, 2]]
+    assert [kv.pool.ref(b) for b in (1, 2)] == [2, 2]  # shared by A and B
+    assert kv.append("B", 1, [11]) == [[8]]  # p6 -> entry 0: B's own block 4
+    assert kv.append("B", 1, [1]) == [[9]]
+    kv.commit()
+    # p8 starts logical block 4 -> entry 1, which holds shared block 1: not overwritten,
+    # the entry takes fresh block 5; p2, p3 had expired for B (the query at 8 sees p5..p8).
+    assert kv.append("B", 1, [2]) == [[10]]
+    assert kv.block_tables("B") == [[4, 5, 2]]
+    assert kv.block_tables("A") == [[3, 1, 2]]  # A still reads its p2, p3 intact
+    assert [kv.pool.ref(b) for b in range(6)] == [0, 1, 2, 1, 1, 1]
+    assert kv.check_reads("A", 7) == 0 and kv.check_reads("B", 9) == 0
+    kv.release("A")
+    kv.release("B")
+    # Nothing is held; the named blocks wait, still findable, among the free ones.
+    assert kv.stats().blocks_used == 0 and kv.pool.num_free == 12
+    assert kv.pool.num_cached == 4  # A's blocks 0, 1, 2 and B's block 4 ([11, 1])

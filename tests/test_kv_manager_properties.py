@@ -323,6 +323,7 @@ class PrefixRingMachine(RuleBasedStateMachine):
         assert pool.num_used == len(holders) == stats.blocks_used
         assert pool.num_free + pool.num_used == pool.num_blocks
         assert stats.blocks_used <= stats.blocks_reserved <= pool.num_blocks
+        assert pool.num_parked == 0  # between steps nothing is parked
         assert stats.read_misses == 0
 
     def teardown(self) -> None:
