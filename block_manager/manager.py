@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
 from block_manager.prefix import Hit, extend_chain, find_hit
+from block_manager.ring import overwrites_between
 from block_manager.table import SKIP_SLOT, BlockTable
 
 
@@ -99,6 +100,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_blocks)
         self.ring_blocks = [spec.ring_blocks(i) for i in range(len(spec.groups))]
+        self._windows = [g.window for g in spec.groups]
         self.debug = debug
         self.caching = enable_prefix_caching
         if enable_prefix_caching and spec.ring_slack < spec.block_size - 1:
@@ -245,6 +247,9 @@ class KVCacheManager:
                 state.tokens += token_ids[known - start :]
                 extend_chain(state.chain, state.tokens, self.spec.block_size)
             self._stepped.append(seq_id)
+        b = self.spec.block_size
+        if num_new == 1 and start % b and end % b:
+            return self._append_inside_block(seq_id, state, start)
         mappings = []
         for i, table in enumerate(state.tables):
             # blocks nobody is promised: a long step may park its own blocks in them
@@ -256,6 +261,24 @@ class KVCacheManager:
             if self.caching:
                 self._filled(i, seq_id, state, table, start, end)
             mappings.append(slots)
+        return mappings
+
+    def _append_inside_block(self, seq_id: Hashable, state: _SeqState,
+                              p: int) -> list[list[int]]:
+        """`append` of one position that neither starts nor fills a block (most decode
+        steps): no block is taken, swapped or named; the same slots `BlockTable.append`
+        gives, without its general path."""
+        b = self.spec.block_size
+        contents = self._contents(seq_id, state, p // b)
+        shadow = self._shadow
+        mappings = []
+        for i, table in enumerate(state.tables):
+            table.parked = {}
+            table.num_tokens = p + 1
+            slot = table.slot(p)
+            self._overwrites += overwrites_between(p, p + 1, table.capacity)
+            shadow[slot] = (i, contents, p)
+            mappings.append([slot])
         return mappings
 
     def commit(self) -> None:
@@ -304,8 +327,7 @@ class KVCacheManager:
         shadow = self._shadow
         state = self._state(seq_id)
         b = self.spec.block_size
-        for i, table in enumerate(state.tables):
-            window = self.spec.groups[i].window
+        for i, (table, window) in enumerate(zip(state.tables, self._windows, strict=True)):
             lo = 0 if window is None else max(0, query_start - window + 1)
             if lo >= query_start:
                 continue
