@@ -7,7 +7,8 @@ max_tokens). Columns:
 - *bytes allow*: 2 GiB over what one request's K and V take, counted here from the model's
   shape alone: ``15 * min(n, 512) + 3 * n`` KiB.
 - *ringserve*: the running engine's own count (its capacity statement), checked by admitting
-  requests through its KV manager until the next one does not fit.
+  requests through its KV manager until the next one does not fit; with prefix caching (the
+  default) each ring holds ``b - 1`` tokens of slack (33 blocks instead of 32), and without.
 - *per-group pools*: ringserve before issue 12, one pool per layer group sized for
   ``--max-model-len`` sequences, re-derived here (it matches the issue's numbers: 2,080 and
   33,288 blocks, 130 requests of 256 tokens at ``--max-model-len 8192``).
@@ -80,20 +81,22 @@ def per_group_pools(spec: KVCacheSpec, tokens: int, max_model_len: int) -> int |
     return min(pools[w] // need(tokens, w) for w in layers)
 
 
-def ringserve_counts() -> tuple[dict[int, int], dict[int, int], KVCacheSpec]:
+def ringserve_counts(caching: bool) -> tuple[dict[int, int], dict[int, int], KVCacheSpec]:
     """(capacity statement, admitted until full) per length, and the KV spec."""
     from engine import LLM
 
     llm = LLM(model="gemma-3-270m", dtype="bfloat16", kv_cache_memory=MEMORY,
-              max_model_len=max(LENGTHS))
+              max_model_len=max(LENGTHS), enable_prefix_caching=caching)
     kv = llm.engine.kv
-    log(f"ringserve: {llm.engine.capacity.description}")
+    log(f"ringserve (prefix caching {'on' if caching else 'off'}): "
+        f"{llm.engine.capacity.description}")
     stated, admitted = {}, {}
     for n in LENGTHS:
         stated[n] = kv.sequences_that_fit(n)
         count = 0
-        while kv.can_admit(n - 1, 1):
-            kv.admit(("probe", count), n - 1, 1)
+        prompt = list(range(1000, 1000 + n - 1))  # nothing is cached: no hit
+        while kv.can_admit(n - 1, 1, prompt):
+            kv.admit(("probe", count), n - 1, 1, prompt)
             count += 1
         for i in range(count):
             kv.release(("probe", i))
@@ -170,7 +173,8 @@ def main() -> None:
     parser.add_argument("--reuse-vllm", action="store_true",
                         help="take vLLM's column from the last results/capacity.json")
     args = parser.parse_args()
-    stated, admitted, spec = ringserve_counts()
+    stated, admitted, spec = ringserve_counts(caching=True)  # the default
+    plain, _, _ = ringserve_counts(caching=False)
     vllm: dict[int, float] = {}
     if args.reuse_vllm:
         last = json.loads((RESULTS / "capacity.json").read_text())["rows"]
@@ -179,9 +183,10 @@ def main() -> None:
         for n in LENGTHS:
             vllm[n] = vllm_concurrency(n)
     rows: list[dict[str, Any]] = []
-    header = ("| tokens | bytes allow | ringserve | per-group pools (max-model-len 8,192) | "
-              "per-group pools (32,768) | vLLM | ringserve / vLLM |")
-    lines = [header, "|" + "---|" * 7]
+    header = ("| tokens | bytes allow | ringserve | ringserve, no prefix caching | "
+              "per-group pools (max-model-len 8,192) | per-group pools (32,768) | vLLM | "
+              "ringserve / vLLM |")
+    lines = [header, "|" + "---|" * 8]
     failures: list[str] = []
     notes: list[str] = []
     for n in LENGTHS:
@@ -191,10 +196,11 @@ def main() -> None:
         floor = MEMORY // (request_bytes(spec, n) + len(spec.groups) * spec.block_bytes)
         before = {m: per_group_pools(spec, n, m) for m in BEFORE_MAX_MODEL_LENS}
         rows.append({"tokens": n, "bytes_allow": allow, "goal_floor": floor, "ringserve": ours,
-                     "ringserve_admitted": admitted[n], "vllm": v,
+                     "ringserve_admitted": admitted[n], "ringserve_no_caching": plain[n],
+                     "vllm": v,
                      **{f"before_{m}": b for m, b in before.items()}})
         ratio = f"{ours / v:.2f}x" if v else "-"
-        lines.append(f"| {n:,} | {allow} | {ours} | "
+        lines.append(f"| {n:,} | {allow} | {ours} | {plain[n]} | "
                      + " | ".join("refused" if b is None else str(b) for b in before.values())
                      + f" | {'-' if v is None else f'{v:.2f}'} | {ratio} |")
         if admitted[n] != ours:
