@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
-from block_manager.prefix import Hit, extend_chain, find_hit
+from block_manager.prefix import Hit, PrefixIndex, extend_chain
 from block_manager.ring import overwrites_between
 from block_manager.table import SKIP_SLOT, BlockTable
 
@@ -114,11 +114,8 @@ class KVCacheManager:
         self._overwrites = 0
         self._read_misses = 0
         self._shadow: dict[int, tuple[int, Hashable, int]] = {}
-        self._promises: dict[bytes, int] = {}
-        self._pending: list[tuple[int, tuple[int, bytes]]] = []
+        self.prefix = PrefixIndex(spec, self.pool)
         self._stepped: list[Hashable] = []
-        self._queries = 0
-        self._hits = 0
 
     # -- admission ---------------------------------------------------------------------
 
@@ -140,18 +137,15 @@ class KVCacheManager:
     def can_admit(self, prompt_len: int, max_tokens: int,
                   prompt_ids: list[int] | None = None) -> bool:
         """True if the request's reservation fits beside every admitted one right now."""
-        hit = self._hit(prompt_ids, prompt_len)[1]
+        hit = self.prefix.find(prompt_ids, prompt_len)[1] if self.caching and prompt_ids \
+            else None
         return self._fits(self.reservation(prompt_len, max_tokens), hit)
 
     def waits_for_prefix(self, prompt_ids: list[int]) -> bool:
         """True if a running sequence is computing the prompt's next block after its
         current hit: admitting it after that step reuses the block instead of recomputing
         it (requests that arrive together with one long prefix compute it once)."""
-        if not self.caching or not self._promises:
-            return False
-        chain, hit = self._hit(prompt_ids, len(prompt_ids))
-        m = 0 if hit is None else hit.num_blocks
-        return m < (len(prompt_ids) - 1) // self.spec.block_size and chain[m] in self._promises
+        return self.caching and self.prefix.next_is_promised(prompt_ids)
 
     def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int,
               prompt_ids: list[int] | None = None) -> int:
@@ -174,7 +168,8 @@ class KVCacheManager:
         if self.caching and (prompt_ids is None or len(prompt_ids) != prompt_len):
             raise KVCacheError("prefix caching needs the prompt's token ids")
         need = self.reservation(prompt_len, max_tokens)
-        chain, hit = self._hit(prompt_ids, prompt_len)
+        chain, hit = self.prefix.find(prompt_ids, prompt_len) if prompt_ids and self.caching \
+            else ([], None)
         if not self._fits(need, hit):
             raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
         for i, n in enumerate(need):
@@ -198,10 +193,9 @@ class KVCacheManager:
             table.adopt(cached, row)
         state.promised = chain[hit.num_blocks : prompt_len // self.spec.block_size]
         state.promise_start = hit.num_blocks
-        for name in state.promised:
-            self._promises[name] = self._promises.get(name, 0) + 1
-        self._queries += prompt_len
-        self._hits += cached
+        self.prefix.promise(state.promised)
+        self.prefix.queries += prompt_len
+        self.prefix.hits += cached
         return cached
 
     def release(self, seq_id: Hashable) -> None:
@@ -283,10 +277,7 @@ class KVCacheManager:
 
     def commit(self) -> None:
         """The step's K/V are written: make the blocks it filled findable by their names."""
-        for block, key in self._pending:
-            self.pool.register(block, key)
-        self._pending.clear()
-        self.pool.unpark()
+        self.prefix.commit()
         b = self.spec.block_size
         for seq_id in self._stepped:
             state = self._seqs.get(seq_id)
@@ -297,9 +288,8 @@ class KVCacheManager:
 
     def discard(self) -> None:
         """The step failed: what it wrote is not to be found."""
-        self._pending.clear()
+        self.prefix.discard()
         self._stepped.clear()
-        self.pool.unpark()
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
         """The sequence's table row per group (a ring row holds at most ``R`` ids)."""
@@ -354,8 +344,8 @@ class KVCacheManager:
             ring_slot_overwrites=self._overwrites,
             read_misses=self._read_misses,
             num_sequences=len(self._seqs),
-            prefix_cache_queries=self._queries,
-            prefix_cache_hits=self._hits,
+            prefix_cache_queries=self.prefix.queries,
+            prefix_cache_hits=self.prefix.hits,
             blocks_cached=self.pool.num_cached,
             blocks_evicted=self.pool.evictions,
             group_names=tuple(names),
@@ -398,24 +388,10 @@ class KVCacheManager:
                 extra += ref == 1  # its holder no longer holds it alone
         return self._committed() + extra <= self.pool.num_blocks
 
-    def _hit(self, prompt_ids: list[int] | None,
-             prompt_len: int) -> tuple[list[bytes], Hit | None]:
-        if not self.caching or prompt_ids is None:
-            return [], None
-        chain: list[bytes] = []
-        extend_chain(chain, prompt_ids, self.spec.block_size)
-        return chain, find_hit(self.spec, chain, prompt_len,
-                               lambda g, name: self.pool.lookup((g, name)))
-
     def _drop_promises(self, state: _SeqState, count: int) -> None:
         count = min(count, len(state.promised))
         state.promise_start += count
-        for name in state.promised[:count]:
-            left = self._promises[name] - 1
-            if left:
-                self._promises[name] = left
-            else:
-                del self._promises[name]
+        self.prefix.fulfil(state.promised[:count])
         del state.promised[:count]
 
     def _contents(self, seq_id: Hashable, state: _SeqState, k: int) -> Hashable:
@@ -443,7 +419,7 @@ class KVCacheManager:
             name = state.chain[k]
             for p in range(k * b, start):  # written before the block had a name
                 self._shadow[block * b + p % b] = (group, name, p)
-            self._pending.append((block, (group, name)))
+            self.prefix.queue(block, group, name)
 
     def _forget_block(self, block: int) -> None:
         b = self.spec.block_size

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from block_manager.budget import KVCacheSpec
+from block_manager.pool import BlockPool
 from block_manager.ring import blocks_for_tokens, table_index
 
 ROOT = b"ringserve-prefix-v1"
@@ -96,3 +97,60 @@ def _row(spec: KVCacheSpec, group: int, blocks: list[int | None], m: int) -> lis
     for k in range(m - size, m):
         row[table_index(k * b, b, ring)] = blocks[k] if k >= lo else None
     return row
+
+
+class PrefixIndex:
+    """The pool's blocks by name: what a prompt finds, what steps filled, what is coming.
+
+    A step's filled blocks are `queue` d and become findable at `commit`, once its K/V are
+    written (`discard` drops them: a failed step names nothing). Names an admitted sequence
+    is still computing are promised, so a prompt that shares them can wait for them.
+    """
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.queries = 0  # prompt tokens looked up at admission
+        self.hits = 0  # of those, found cached
+        self._promised: dict[bytes, int] = {}
+        self._pending: list[tuple[int, tuple[int, bytes]]] = []
+
+    def find(self, prompt_ids: list[int], prompt_len: int) -> tuple[list[bytes], Hit]:
+        """The prompt's block names and its usable hit."""
+        chain: list[bytes] = []
+        extend_chain(chain, prompt_ids, self.spec.block_size)
+        return chain, find_hit(self.spec, chain, prompt_len,
+                               lambda g, name: self.pool.lookup((g, name)))
+
+    def next_is_promised(self, prompt_ids: list[int]) -> bool:
+        """True if an admitted sequence is computing the block after the prompt's hit."""
+        if not self._promised:
+            return False
+        chain, hit = self.find(prompt_ids, len(prompt_ids))
+        m = hit.num_blocks
+        return m < (len(prompt_ids) - 1) // self.spec.block_size and chain[m] in self._promised
+
+    def promise(self, names: list[bytes]) -> None:
+        for name in names:
+            self._promised[name] = self._promised.get(name, 0) + 1
+
+    def fulfil(self, names: list[bytes]) -> None:
+        for name in names:
+            left = self._promised[name] - 1
+            if left:
+                self._promised[name] = left
+            else:
+                del self._promised[name]
+
+    def queue(self, block: int, group: int, name: bytes) -> None:
+        self._pending.append((block, (group, name)))
+
+    def commit(self) -> None:
+        for block, key in self._pending:
+            self.pool.register(block, key)
+        self._pending.clear()
+        self.pool.unpark()
+
+    def discard(self) -> None:
+        self._pending.clear()
+        self.pool.unpark()
