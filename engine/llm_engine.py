@@ -71,7 +71,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, caches, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.counters: Counter[str] = Counter()
@@ -98,6 +98,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
                                       param="prompt")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})",
+                                      param="logit_bias")
         n = len(ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(

@@ -1,17 +1,26 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Turn a step's logits into tokens: penalties and biases, greedy, temperature, min-p,
+top-k, top-p, seeds, logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
+from engine import logits_processors
 from engine.sequence import Sequence, TokenLogprob
 
 
 class Sampler:
-    """Samples one token per row; seeded sequences get their own generator."""
+    """Samples one token per row; seeded sequences get their own generator.
 
-    def __init__(self) -> None:
+    Args:
+        eos_token_ids: what ``min_tokens`` masks besides a request's stop token ids.
+    """
+
+    def __init__(self, eos_token_ids: Collection[int] = ()) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -22,26 +31,39 @@ class Sampler:
         """Sample a token for each row of ``logits`` [len(seqs), vocab].
 
         Greedy rows take the first maximum of the logits as given (any float dtype: widening
-        bf16 to float32 is exact, so the pick is the same); rows that sample or report
-        logprobs are widened to float32 first, and only those.
+        bf16 to float32 is exact, so the pick is the same); rows that sample, change their
+        logits (penalties, biases, `engine.logits_processors`) or report logprobs are
+        widened to float32 first, and only those.
 
         Returns:
             The token ids, and per row the logprob record when the request asked for one
-            (log-probabilities of the model's distribution, before temperature).
+            (log-probabilities of the model's distribution, before any processing).
         """
         # NOTE: max().indices is the first maximum like argmax, and measured faster on CPU.
         tokens = logits.max(dim=-1).indices
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        rows = [i for i, s in enumerate(seqs)
+                if not s.params.greedy or s.params.processes_logits]
         if rows:
-            picked = self._sample_rows(logits[rows].float(), [seqs[i] for i in rows])
+            picked = self._pick_rows(logits[rows].float(), [seqs[i] for i in rows])
             tokens[rows] = picked
         token_list: list[int] = tokens.tolist()
         return token_list, self._logprobs(logits, seqs, token_list)
 
+    def _pick_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Process float rows (a copy) in place, then take greedy rows' first maximum and
+        sample the others."""
+        logits_processors.apply(logits, seqs, self.eos_token_ids)
+        out = logits.max(dim=-1).indices
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rows:
+            out[rows] = self._sample_rows(logits[rows], [seqs[i] for i in rows])
+        return out
+
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype,
                              device=logits.device)
-        probs = torch.softmax(_top_k_top_p(logits / temps[:, None], seqs), dim=-1)
+        scaled = logits_processors.min_p_mask(logits / temps[:, None], seqs)
+        probs = torch.softmax(_top_k_top_p(scaled, seqs), dim=-1)
         out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:

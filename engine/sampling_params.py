@@ -26,6 +26,14 @@ class SamplingParams:
         logprobs: also return the log-probabilities of this many top tokens per step
             (0 = only the sampled token's); None = none.
         skip_special_tokens: leave special tokens out of the text.
+        presence_penalty: OpenAI's: subtracted once from a token generated before, [-2, 2].
+        frequency_penalty: OpenAI's: subtracted per time a token was generated, [-2, 2].
+        repetition_penalty: vLLM's (transformers'): a token seen in the prompt or output
+            has a positive logit divided by it, a negative one multiplied; 1 = off.
+        logit_bias: token id -> added to its logit, [-100, 100].
+        min_p: drop tokens under this fraction of the likeliest one's probability.
+        min_tokens: end-of-sequence and stop token ids are masked until this many tokens.
+    (See `engine.logits_processors` for the order they apply in.)
     """
 
     n: int = 1
@@ -39,6 +47,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,11 +71,32 @@ class SamplingParams:
              "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be token ids >= 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0,
+             "must be in (0, 100]"),
+            ("logit_bias", all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                               for t, b in (self.logit_bias or {}).items()),
+             "must map token ids >= 0 to biases in [-100, 100]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("min_tokens", self.min_tokens >= 0 and (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "must be >= 0 and <= max_tokens"),
         ]
         for name, ok, rule in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}",
                                           param=name)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the request changes the logits before a token is picked."""
+        return bool(self.has_penalties or self.logit_bias or self.min_p or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

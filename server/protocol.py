@@ -28,7 +28,7 @@ class UnsupportedFieldError(ValueError):
 
 
 # Fields OpenAI defines that ringserve accepts only at their neutral value (0, empty).
-NEUTRAL_ONLY = ("frequency_penalty", "presence_penalty", "logit_bias", "suffix", "tools")
+NEUTRAL_ONLY = ("suffix", "tools")
 
 
 Stop = str | list[str] | None
@@ -44,9 +44,25 @@ class SamplingFields(StrictModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     user: str | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     top_k: StrictInt = Field(0, ge=-1)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -61,12 +77,9 @@ class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
-    frequency_penalty: float | None = Field(None, ge=0, le=0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     max_tokens: StrictInt | None = Field(16, ge=1)
     n: StrictInt = Field(1, ge=1, le=16)
-    presence_penalty: float | None = Field(None, ge=0, le=0)
     suffix: str | None = Field(None, max_length=0)
 
     def check_supported(self) -> None:
@@ -93,14 +106,11 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
-    frequency_penalty: float | None = Field(None, ge=0, le=0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt = Field(1, ge=1, le=16)
-    presence_penalty: float | None = Field(None, ge=0, le=0)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=0)
     tool_choice: str | dict[str, Any] | None = None

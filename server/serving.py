@@ -41,7 +41,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos, logprobs=logprobs)
+        ignore_eos=req.ignore_eos, logprobs=logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None)
 
 
 def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,

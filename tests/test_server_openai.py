@@ -154,3 +154,31 @@ def test_tokenize_detokenize_version_health(server: Server) -> None:
     assert "Café 🚀" in back["prompt"]
     assert httpx.get(f"{server.url}/version").json()["version"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}
+
+
+def test_penalties_and_biases_match_transformers_generate(
+        client: openai.OpenAI, ckpt: pathlib.Path) -> None:
+    """repetition_penalty, min_tokens (vLLM's extras) and presence/frequency penalties and
+    logit_bias (OpenAI's) through the official client; greedy, against transformers'
+    `generate` with the same processors where it has them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    prompt = "The ring buffer overwrites the oldest"
+    ids = tok.encode(prompt)
+    model = hf_reference(ckpt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
+                             do_sample=False, repetition_penalty=1.8)
+    expected = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"repetition_penalty": 1.8, "min_tokens": 16})
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    forced = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                       temperature=0, logit_bias={"60": 100})
+    assert forced.choices[0].text == tok.decode([60] * 6, skip_special_tokens=True)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+        temperature=0.8, seed=5, presence_penalty=1.5, frequency_penalty=-0.5,
+        extra_body={"min_p": 0.1})
+    assert chat.choices[0].message.content is not None
