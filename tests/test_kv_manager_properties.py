@@ -39,6 +39,18 @@ def expected_slot(row: list[int], position: int, b: int, window: int | None) -> 
     return row[entry] * b + position % b
 
 
+def release_all(machine: RuleBasedStateMachine) -> None:
+    """A machine's end: every live sequence released, every block back, nothing reserved."""
+    kv = getattr(machine, "kv", None)
+    if kv is None:
+        return
+    for sid in list(machine.length):  # type: ignore[attr-defined]
+        kv.release(sid)
+    stats = kv.stats()
+    assert stats.blocks_used == 0 and stats.blocks_reserved == 0
+    assert kv.pool.num_free == kv.pool.num_blocks
+
+
 class RingMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
@@ -152,13 +164,7 @@ class RingMachine(RuleBasedStateMachine):
         assert stats.read_misses == 0
 
     def teardown(self) -> None:
-        if not hasattr(self, "kv"):
-            return
-        for sid in list(self.length):
-            self.kv.release(sid)
-        stats = self.kv.stats()
-        assert stats.blocks_used == 0 and stats.blocks_reserved == 0
-        assert self.kv.pool.num_free == self.kv.pool.num_blocks
+        release_all(self)
 
 
 RingMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -327,13 +333,7 @@ class PrefixRingMachine(RuleBasedStateMachine):
         assert stats.read_misses == 0
 
     def teardown(self) -> None:
-        if not hasattr(self, "kv"):
-            return
-        for sid in list(self.length):
-            self.kv.release(sid)
-        stats = self.kv.stats()
-        assert stats.blocks_used == 0 and stats.blocks_reserved == 0
-        assert self.kv.pool.num_free == self.kv.pool.num_blocks
+        release_all(self)
 
 
 PrefixRingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
