@@ -30,14 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -47,13 +43,14 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import serve_bench
+import servers
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 CACHE = ROOT / ".cache" / "peers"
-LOGS = CACHE / "logs"
 RESULTS = BENCH / "results"
 MODEL = "gemma-3-270m"
 VOCAB = (1000, 200_000)  # ordinary tokens of gemma-3's 262,144: no special or control ids
@@ -95,12 +92,6 @@ def random_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (as serve_bench's p99), 0 for no values."""
     if not values:
@@ -112,87 +103,13 @@ def percentile(values: list[float], q: float) -> float:
 # --- the server ---------------------------------------------------------------------------
 
 
-def server_argv(setting: str, port: int, extra: str, with_flag: bool) -> list[str]:
-    argv = [str(ROOT / ".venv" / "bin" / "ringserve"), "serve", "--port", str(port),
+def server_argv(setting: str, extra: str, with_flag: bool) -> list[str]:
+    argv = [str(ROOT / ".venv" / "bin" / "ringserve"), "serve", "--port", str(servers.PORT),
             "--served-model-name", MODEL]
     if with_flag:
         argv.append("--enable-prefix-caching" if setting == "on"
                     else "--no-enable-prefix-caching")
     return [*argv, *shlex.split(extra)]
-
-
-class Server:
-    """`with Server(argv, name, port) as s:` starts the server in its own process group,
-    waits for /health, and stops the whole group afterwards."""
-
-    def __init__(self, argv: list[str], name: str, port: int) -> None:
-        self.argv = argv
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = LOGS / f"prefix-cache-{name}-{int(time.time())}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Server:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        log(f"$ {shlex.join(self.argv)}  (log: {self.log_path.relative_to(ROOT)})")
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _wait_healthy(self) -> None:
-        assert self.proc is not None
-        start = time.monotonic()
-        while time.monotonic() - start < START_TIMEOUT:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode} while starting; "
-                                   f"{self.log_tail()}")
-            try:
-                status = httpx.get(f"{self.url}/health", timeout=5).status_code
-            except httpx.HTTPError:
-                status = 0
-            if status == 200:
-                log(f"healthy after {time.monotonic() - start:.0f} s")
-                return
-            time.sleep(2)
-        raise RuntimeError(f"server not healthy after {START_TIMEOUT:.0f} s; {self.log_tail()}")
-
-    def log_tail(self, lines: int = 15) -> str:
-        """The log's last lines, health checks left out."""
-        kept = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                if "/health" not in line]
-        return f"log {self.log_path} ends:\n" + "\n".join(kept[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL after 30 s."""
-        if self.proc is None:
-            return
-        for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
-                    return
-                time.sleep(0.5)
-        log(f"warning: process group {self.proc.pid} did not stop")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 # --- /metrics -----------------------------------------------------------------------------
@@ -312,11 +229,14 @@ async def run_workloads(url: str, cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def run_setting(setting: str, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
-    port = free_port()
-    argv = server_argv(setting, port, args.server_args, with_flag=not args.no_flag)
+    """One server (the peers benchmark's `servers.Server`: its own process group, /health,
+    the whole group stopped after), both workloads against it."""
+    argv = server_argv(setting, args.server_args, with_flag=not args.no_flag)
     log(f"caching {setting}")
-    with Server(argv, setting, port) as server:
-        results = asyncio.run(run_workloads(server.url, cfg))
+    row = servers.Row(name=f"ringserve prefix caching {setting}", kind="ringserve",
+                      weights="auto", command=lambda: argv, start_timeout=START_TIMEOUT)
+    with servers.Server(row):
+        results = asyncio.run(run_workloads(servers.URL, cfg))
     return {"server_argv": argv, **results}
 
 
