@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(kw_only=True)
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's ``structured_outputs`` (exactly one is set).
+
+    Args:
+        json: a JSON schema (dict or its text) the output must validate against.
+        json_object: any JSON object.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's dialect, GBNF-like; the rule ``root`` starts).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {kinds or 'none'}", param="structured_outputs")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be non-empty strings",
+                                      param="structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
 
 
 @dataclass(kw_only=True)
@@ -33,6 +70,12 @@ class SamplingParams:
         logit_bias: token id -> added to its logit, [-100, 100].
         min_p: drop tokens under this fraction of the likeliest one's probability.
         min_tokens: end-of-sequence and stop token ids are masked until this many tokens.
+        bad_words: words never generated (vLLM's): each is tokenized with and without a
+            leading space; its last token is banned wherever the tokens before it were just
+            generated.
+        prompt_logprobs: also return, for each prompt token after the first, its
+            log-probability and the top ones at its position (vLLM's); None = none.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
     (See `engine.logits_processors` for the order they apply in.)
     """
 
@@ -53,6 +96,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +128,10 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0 and (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be >= 0 and <= max_tokens"),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
+             "must be non-blank strings"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -96,7 +146,8 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """True when the request changes the logits before a token is picked."""
-        return bool(self.has_penalties or self.logit_bias or self.min_p or self.min_tokens)
+        return bool(self.has_penalties or self.logit_bias or self.min_p or self.min_tokens
+                    or self.bad_words or self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
