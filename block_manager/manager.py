@@ -135,10 +135,11 @@ class KVCacheManager:
             )
 
     def can_admit(self, prompt_len: int, max_tokens: int,
-                  prompt_ids: list[int] | None = None) -> bool:
-        """True if the request's reservation fits beside every admitted one right now."""
-        hit = self.prefix.find(prompt_ids, prompt_len)[1] if self.caching and prompt_ids \
-            else None
+                  prompt_ids: list[int] | None = None, *, reuse: bool = True) -> bool:
+        """True if the request's reservation fits beside every admitted one right now
+        (``reuse`` as in `admit`)."""
+        hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1)[1] \
+            if self.caching and prompt_ids else None
         return self._fits(self.reservation(prompt_len, max_tokens), hit)
 
     def waits_for_prefix(self, prompt_ids: list[int]) -> bool:
@@ -148,12 +149,15 @@ class KVCacheManager:
         return self.caching and self.prefix.next_is_promised(prompt_ids)
 
     def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int,
-              prompt_ids: list[int] | None = None) -> int:
+              prompt_ids: list[int] | None = None, *, reuse: bool = True) -> int:
         """Reserve a sequence's blocks; its tables start empty (or at its cached prefix) and
         fill lazily.
 
         Args:
             prompt_ids: the prompt's tokens; needed with prefix caching.
+            reuse: False computes the whole prompt even where it is cached (prompt
+                logprobs need every position's logits); its blocks are still named, so
+                later prompts find them.
 
         Returns:
             Prompt tokens found cached: the sequence's tables already hold them.
@@ -168,8 +172,9 @@ class KVCacheManager:
         if self.caching and (prompt_ids is None or len(prompt_ids) != prompt_len):
             raise KVCacheError("prefix caching needs the prompt's token ids")
         need = self.reservation(prompt_len, max_tokens)
-        chain, hit = self.prefix.find(prompt_ids, prompt_len) if prompt_ids and self.caching \
-            else ([], None)
+        # NOTE: a hit stays under the prompt length passed (see find_hit): 1 finds none
+        chain, hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1) \
+            if prompt_ids and self.caching else ([], None)
         if not self._fits(need, hit):
             raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")
         for i, n in enumerate(need):
@@ -194,8 +199,9 @@ class KVCacheManager:
         state.promised = chain[hit.num_blocks : prompt_len // self.spec.block_size]
         state.promise_start = hit.num_blocks
         self.prefix.promise(state.promised)
-        self.prefix.queries += prompt_len
-        self.prefix.hits += cached
+        if reuse:
+            self.prefix.queries += prompt_len
+            self.prefix.hits += cached
         return cached
 
     def release(self, seq_id: Hashable) -> None:

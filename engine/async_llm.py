@@ -20,7 +20,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import Request
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sequence import PromptLogprob, TokenLogprob
 from engine.stopping import stream_text
 
 logger = logging.getLogger("ringserve.engine")
@@ -49,6 +49,9 @@ class StreamDelta:
     completion_tokens: int
     timings: dict[str, float | None] = field(default_factory=dict)
     blocks_held: list[int] = field(default_factory=list)  # per sequence, once finished
+    # the request's prompt logprobs, in the one delta after they are all computed (it comes
+    # no later than the first sequence's first token)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def _delta(request: Request) -> StreamDelta:
@@ -63,6 +66,10 @@ def _delta(request: Request) -> StreamDelta:
                              s.status.finish_reason if done else None,
                              s.stop_reason if done else None))
     first = request.seqs[0]
+    prompt_logprobs = None
+    if not request.prompt_logprobs_sent and request.prompt_logprob_records is not None:
+        prompt_logprobs = request.prompt_logprob_records
+        request.prompt_logprobs_sent = True
     return StreamDelta(
         request_id=request.request_id, seqs=seqs, finished=request.finished,
         prompt_tokens=len(request.prompt_token_ids),
@@ -70,6 +77,7 @@ def _delta(request: Request) -> StreamDelta:
         timings={"arrival": first.arrival_time, "scheduled": first.first_scheduled_time,
                  "first_token": first.first_token_time, "last_token": first.last_token_time},
         blocks_held=[s.blocks_held for s in request.seqs] if request.finished else [],
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -1,5 +1,8 @@
 """What a request asks of the logits before a token is picked, in vLLM's order.
 
+0. ``bad_words`` (vLLM's extra, tokenized once per request into `Sequence.bad_words_ids`):
+   a word's last token is masked wherever the tokens generated last are the word's others
+   (a one-token word: always);
 1. ``min_tokens``: end-of-sequence and stop token ids are masked until that many tokens
    were generated;
 2. ``logit_bias``: added to the named tokens' logits;
@@ -24,10 +27,14 @@ from engine.sequence import Sequence
 
 
 def apply(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int]) -> None:
-    """Steps 1 to 3 on float ``logits`` [len(seqs), vocab], in place."""
+    """Steps 0 to 3 on float ``logits`` [len(seqs), vocab], in place."""
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
         params = seq.params
+        if seq.bad_words_ids:
+            banned = _bad_words(seq)
+            if banned:
+                logits[row, banned] = float("-inf")
         if params.min_tokens and seq.num_output_tokens < params.min_tokens:
             banned = [t for t in (*eos_token_ids, *params.stop_token_ids) if t < vocab]
             logits[row, banned] = float("-inf")
@@ -36,6 +43,20 @@ def apply(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[i
             bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             logits[row].index_add_(0, ids.to(logits.device), bias.to(logits.device))
     _penalties(logits, seqs)
+
+
+def _bad_words(seq: Sequence) -> list[int]:
+    """The last tokens of the bad words whose other tokens were just generated (vLLM:
+    only generated tokens count, not the prompt)."""
+    output = seq.token_ids[seq.num_prompt_tokens :]
+    banned = []
+    for word in seq.bad_words_ids:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or output[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def _penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:

@@ -13,6 +13,11 @@ from block_manager import KVCacheManager
 from engine.forward_batch import ForwardBatch, GroupTables
 from engine.models import CausalLM, KVCaches
 from engine.scheduler import ScheduledSeq
+from engine.sequence import PromptLogprob
+
+# NOTE: prompt positions reduced to logprobs at once: bounds the float32 [rows, vocab]
+# logits a long prompt's chunk materialises (64 x 262k x 4 bytes = 64 MiB).
+PROMPT_LOGPROBS_ROWS = 64
 
 
 class ModelRunner:
@@ -52,13 +57,17 @@ class ModelRunner:
             del self._synced[seq_id], self._swaps[seq_id]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[
+        torch.Tensor, dict[int, list[PromptLogprob]]
+    ]:
         """Feed the step's tokens through the model, writing their K/V into the ring.
 
         Returns:
             logits [num sampling sequences, vocab] in the model's dtype (float32 where the
             model soft-caps them), in the order of ``scheduled`` restricted to the entries
-            whose `samples` is true.
+            whose `samples` is true; and, by sequence id, the prompt logprobs of this
+            step's prompt positions for sequences that ask for them (see
+            `prompt_logprobs`).
         """
         input_ids, batch = self.prepare(scheduled)
         try:
@@ -67,7 +76,51 @@ class ModelRunner:
             self.kv.discard()  # what this step wrote is not to be found by later prompts
             raise
         self.kv.commit()
-        return self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
+        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
+        return logits, self.prompt_logprobs(scheduled, hidden)
+
+    def prompt_logprobs(self, scheduled: list[ScheduledSeq],
+                        hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:
+        """For each scheduled sequence with `prompt_logprobs_k` set, the records of the
+        prompt tokens its fed positions predict: the logits at prompt position ``p`` give
+        the record of prompt token ``p + 1``; the last prompt position predicts the first
+        output token, which is the sampler's.
+
+        The logits are made and reduced ``PROMPT_LOGPROBS_ROWS`` positions at a time.
+        """
+        out: dict[int, list[PromptLogprob]] = {}
+        row = 0
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed
+            k = seq.prompt_logprobs_k
+            end = min(start + item.num_new, seq.num_prompt_tokens - 1)
+            if k is not None and start < end:
+                targets = seq.token_ids[start + 1 : end + 1]
+                out[seq.seq_id] = [
+                    record
+                    for lo in range(0, end - start, PROMPT_LOGPROBS_ROWS)
+                    for record in self._reduce(
+                        hidden[row + lo : row + min(lo + PROMPT_LOGPROBS_ROWS, end - start)],
+                        targets[lo : lo + PROMPT_LOGPROBS_ROWS], k)
+                ]
+            row += item.num_new
+        return out
+
+    def _reduce(self, hidden: torch.Tensor, targets: list[int],
+                k: int) -> list[PromptLogprob]:
+        logp = torch.log_softmax(self.model.compute_logits(hidden, upcast=True), dim=-1)
+        target = torch.tensor(targets, dtype=torch.int64, device=logp.device)[:, None]
+        chosen = logp.gather(1, target)
+        # vLLM's rank: how many tokens are at least as likely (1 = the likeliest)
+        ranks = (logp >= chosen).sum(dim=-1)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], target[:, :0])
+        return [
+            PromptLogprob(token_id=t, logprob=lp, rank=r,
+                          top=list(zip(ids, values, strict=True)))
+            for t, lp, r, ids, values in zip(
+                targets, chosen[:, 0].tolist(), ranks.tolist(), top_i.tolist(),
+                top_v.tolist(), strict=True)
+        ]
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
         """Append the step's positions to the block manager and build the tensors."""

@@ -74,14 +74,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prompt = seq.token_ids[: seq.num_prompt_tokens]
+            # prompt logprobs need the logits of every prompt position: no cached prefix
+            reuse = seq.prompt_logprobs_k is None
             # FCFS: the head waits for room, or for a running sequence to finish computing
             # the prefix it shares (then it reuses it); later ones do not jump it.
-            if self.kv.waits_for_prefix(prompt) or not self.kv.can_admit(
-                    seq.num_prompt_tokens, seq.max_tokens, prompt):
+            if (reuse and self.kv.waits_for_prefix(prompt)) or not self.kv.can_admit(
+                    seq.num_prompt_tokens, seq.max_tokens, prompt, reuse=reuse):
                 break
             self.waiting.popleft()
             seq.num_computed = self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens,
-                                             prompt)
+                                             prompt, reuse=reuse)
             seq.num_cached_tokens = seq.num_computed
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled_time = time.monotonic()

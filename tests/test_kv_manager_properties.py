@@ -232,8 +232,10 @@ class PrefixRingMachine(RuleBasedStateMachine):
         return row[entry] * self.b + p % self.b
 
     @rule(target=seqs, stem=st.integers(0, 2), tail=st.lists(st.integers(0, 2), max_size=10),
-          extra=st.lists(st.integers(0, 2), min_size=1, max_size=20))
-    def add(self, stem: int, tail: list[int], extra: list[int]) -> int:
+          extra=st.lists(st.integers(0, 2), min_size=1, max_size=20),
+          reuse=st.sampled_from([True, True, True, False]))
+    def add(self, stem: int, tail: list[int], extra: list[int], reuse: bool) -> int:
+        """``reuse=False``: a prompt computed whole though cached (prompt logprobs)."""
         sid = self.next_id
         self.next_id += 1
         prompt = self.stems[stem % len(self.stems)] + tail
@@ -244,10 +246,11 @@ class PrefixRingMachine(RuleBasedStateMachine):
             with pytest.raises(RequestTooLargeError):
                 self.kv.check_request(len(prompt), len(extra))
             return sid
-        if not self.kv.can_admit(len(prompt), len(extra), prompt):
+        if not self.kv.can_admit(len(prompt), len(extra), prompt, reuse=reuse):
             return sid
-        cached = self.kv.admit(sid, len(prompt), len(extra), prompt)
+        cached = self.kv.admit(sid, len(prompt), len(extra), prompt, reuse=reuse)
         assert cached % self.b == 0 and 0 <= cached < len(prompt)
+        assert reuse or cached == 0
         assert self.kv.num_tokens(sid) == cached
         self.tokens[sid] = prompt + extra
         self.length[sid] = cached

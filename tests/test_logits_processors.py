@@ -1,4 +1,5 @@
-"""Penalties, biases, min-p and min-tokens against transformers' logits processors.
+"""Penalties, biases, min-p, min-tokens and bad words against transformers' logits
+processors.
 
 The same logits go through ours (`engine.logits_processors`, batched) and through
 transformers' own processors (or, for OpenAI's frequency and presence penalties, which
@@ -7,19 +8,24 @@ transformers does not have, the formula of OpenAI's documentation in float64).
 
 from __future__ import annotations
 
+import pathlib
+from typing import Any
+
 import pytest
 import torch
 from transformers import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
 
-from engine import logits_processors
+from engine import LLM, logits_processors
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from tests.tiny_models import hf_reference, make_checkpoint, random_tokens
 
 VOCAB = 64
 EOS = 2
@@ -118,3 +124,80 @@ def test_greedy_rows_pick_from_processed_logits_and_report_raw_logprobs() -> Non
     record = logprobs[0]
     assert record is not None  # vLLM's default: logprobs of the model, before processing
     assert abs(record.logprob - float(torch.log_softmax(logits[0], -1)[20])) < 1e-5
+
+
+# -- bad_words ----------------------------------------------------------------------------
+
+BAD_WORDS = [[5], [7, 8], [9, 10, 11], [12, 8]]  # one token; two; three; another ending in 8
+# the prompt holds none of their tokens, so transformers (which also looks at the prompt)
+# and vLLM (only at generated tokens) agree on every history below
+BAD_PROMPT = [20, 21, 22, 23]
+HISTORIES = [[], [7], [3, 7], [9], [4, 9, 10], [9, 10, 7], [10], [12], [9, 10, 11, 5],
+             [7, 8, 12]]
+
+
+@pytest.mark.parametrize("output", HISTORIES)
+def test_bad_words_equal_transformers_no_bad_words(output: list[int]) -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(21))
+    ids = torch.tensor([BAD_PROMPT + output])
+    expected = NoBadWordsLogitsProcessor(BAD_WORDS)(ids, logits.clone())
+    seq = _seq(BAD_PROMPT, output, bad_words=["unused: the ids are set below"])
+    seq.bad_words_ids = BAD_WORDS
+    got = _ours(logits, [seq])
+    torch.testing.assert_close(got, expected)
+    assert bool(torch.isneginf(got[0, 5]))  # a one-token word is always banned
+    assert bool(torch.isneginf(got[0, 8])) == (output[-1:] in ([7], [12]))
+    assert bool(torch.isneginf(got[0, 11])) == (output[-2:] == [9, 10])
+
+
+def test_bad_words_in_a_batch_touch_only_their_rows() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(22))
+    outputs = [[3, 7], [9, 10], [7]]
+    seqs = [_seq(BAD_PROMPT, out, bad_words=["w"]) for out in outputs]
+    seqs[0].bad_words_ids, seqs[1].bad_words_ids = BAD_WORDS, [[9, 10, 11]]
+    got = _ours(logits, seqs)
+    for row, out in enumerate(outputs):
+        words = seqs[row].bad_words_ids
+        ids = torch.tensor([BAD_PROMPT + out])
+        expected = NoBadWordsLogitsProcessor(words)(ids, logits[row : row + 1].clone()) \
+            if words else logits[row : row + 1]
+        torch.testing.assert_close(got[row : row + 1], expected)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint("mistral", tmp_path_factory.mktemp("ckpt"))
+
+
+def single_token_word(tok: Any, tokens: list[int]) -> tuple[str, list[list[int]]]:
+    """The first of ``tokens`` whose text is a word of that one token, and what vLLM bans
+    for it: the word's token, and its token with a leading space if that is one too."""
+    for t in tokens:
+        word = tok.decode([t]).strip()
+        if not word:
+            continue
+        plain = tok.encode(word, add_special_tokens=False)
+        spaced = tok.encode(" " + word, add_special_tokens=False)
+        banned = [plain] + ([spaced] if len(spaced) == 1 and spaced != plain else [])
+        if len(plain) == 1 and [t] in banned:
+            return word, banned
+    raise AssertionError("no generated token is a one-token word")
+
+
+def test_a_bad_word_never_comes_under_greedy_as_in_transformers(
+        mistral: pathlib.Path) -> None:
+    llm = LLM(str(mistral), dtype="float32", block_size=4, kv_cache_memory="4MiB",
+              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, debug_kv=True)
+    prompt = random_tokens(10, seed=23)
+    greedy = dict(temperature=0.0, ignore_eos=True, max_tokens=16)
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy))[0]
+    word, banned = single_token_word(llm.tokenizer, plain.outputs[0].token_ids)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(bad_words=[word], **greedy))[0].outputs[0].token_ids
+    assert not {ids[0] for ids in banned} & set(out)
+    assert out != plain.outputs[0].token_ids
+    model = hf_reference(mistral)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                             do_sample=False, bad_words_ids=banned)
+    assert out == ref[0, len(prompt):].tolist()
