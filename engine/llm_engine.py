@@ -25,9 +25,10 @@ from engine.outputs import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PromptLogprob, Sequence, SequenceStatus
 from engine.startup import describe, kv_memory_bytes, pick_device, pick_dtype
 from engine.stopping import append_token
+from engine.structured_output import StructuredOutputs
 from kernels import cpu_build
 
 logger = logging.getLogger("ringserve.engine")
@@ -71,7 +72,9 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, caches, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=self.device)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size,
+                                            self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, structured=self.structured)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.counters: Counter[str] = Counter()
@@ -116,7 +119,13 @@ class LLMEngine:
             self.kv.check_request(n, max_tokens)
         except RequestTooLargeError as err:
             raise InvalidRequestError(str(err), param="max_tokens") from None
+        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
         seqs = [self._sequence(request_id, i, ids, params, max_tokens) for i in range(params.n)]
+        for seq in seqs:
+            seq.bad_words_ids = bad_words  # read only, shared
+        if params.structured_outputs is not None:  # compiled once, then a matcher per seq
+            for seq in seqs:
+                seq.grammar = self.structured.matcher(params.structured_outputs)
         return Request(request_id, text, ids, params, seqs)
 
     def add(self, request: Request) -> None:
@@ -158,7 +167,7 @@ class LLMEngine:
             return []
         touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
         try:
-            logits = self.runner.execute(scheduled)
+            logits, prompt_logprobs = self.runner.execute(scheduled)
             sampling = [i for i in scheduled if i.samples]
             tokens, logprobs = self.sampler(logits, [i.seq for i in sampling])
         except Exception as err:  # surface it to the requests of this step, keep serving
@@ -167,13 +176,15 @@ class LLMEngine:
                 request.error = err
                 self.abort_request(request.request_id)
             return list({id(r): r for r in touched.values()}.values())
-        self._update(scheduled, sampling, tokens, logprobs)
+        self._update(scheduled, sampling, tokens, logprobs, prompt_logprobs)
         return list({id(r): r for r in touched.values()}.values())
 
     def _update(self, scheduled: list[ScheduledSeq], sampling: list[ScheduledSeq],
-                tokens: list[int], logprobs: list[Any]) -> None:
+                tokens: list[int], logprobs: list[Any],
+                prompt_logprobs: dict[int, list[PromptLogprob]]) -> None:
         now = time.monotonic()
         for item in scheduled:
+            item.seq.prompt_logprobs += prompt_logprobs.get(item.seq.seq_id, ())
             if item.seq.is_prefilling:
                 self.counters["prompt_tokens"] += min(
                     item.num_new, item.seq.num_prompt_tokens - item.seq.num_computed)
@@ -227,9 +238,29 @@ class LLMEngine:
                   max_tokens: int) -> Sequence:
         detok = IncrementalDetokenizer(self.tokenizer, ids,
                                        skip_special_tokens=params.skip_special_tokens)
+        # prompt logprobs: the first sequence computes them for the request
+        k = params.prompt_logprobs if index == 0 else None
         return Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index,
                         token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
-                        max_tokens=max_tokens, detokenizer=detok)
+                        max_tokens=max_tokens, detokenizer=detok, prompt_logprobs_k=k,
+                        prompt_logprobs=[None] if k is not None else [])
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad_words: each word as is (left-stripped) and with a
+        leading space, the latter kept only where it gives other tokens of the same count
+        (a new word token)."""
+        out: list[list[int]] = []
+        vocab = self.model.config.vocab_size
+        for word in words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        if any(not 0 <= t < vocab for ids in out for t in ids):
+            raise InvalidRequestError(f"bad_words tokenize to ids outside [0, {vocab})",
+                                      param="bad_words")
+        return out
 
     @property
     def has_unfinished(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from engine import logits_processors
 from engine.sequence import Sequence, TokenLogprob
+from engine.structured_output import StructuredOutputs
 
 
 class Sampler:
@@ -16,11 +17,14 @@ class Sampler:
 
     Args:
         eos_token_ids: what ``min_tokens`` masks besides a request's stop token ids.
+        structured: masks the rows of sequences under structured outputs.
     """
 
-    def __init__(self, eos_token_ids: Collection[int] = ()) -> None:
+    def __init__(self, eos_token_ids: Collection[int] = (),
+                 structured: StructuredOutputs | None = None) -> None:
         self._generators: dict[int, torch.Generator] = {}
         self.eos_token_ids = tuple(eos_token_ids)
+        self.structured = structured
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
@@ -51,8 +55,21 @@ class Sampler:
 
     def _pick_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Process float rows (a copy) in place, then take greedy rows' first maximum and
-        sample the others."""
+        sample the others.
+
+        The grammar mask comes first (as in vLLM). Should the processors then leave a
+        grammar row nothing (``min_tokens`` masking the stop token a complete grammar
+        allows, say), the grammar wins: the row gets its grammar mask alone.
+        """
+        masked = self.structured.mask(logits, seqs) if self.structured else []
+        # only min_tokens and bad_words set logits to -inf
+        risky = [i for i in masked if seqs[i].params.min_tokens or seqs[i].params.bad_words]
+        kept = logits[risky].clone() if risky else None
         logits_processors.apply(logits, seqs, self.eos_token_ids)
+        if kept is not None:
+            for j, i in enumerate(risky):
+                if bool(torch.isneginf(logits[i]).all()):
+                    logits[i] = kept[j]
         out = logits.max(dim=-1).indices
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:

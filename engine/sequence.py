@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -41,6 +42,18 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it (the model's own
+    distribution, unprocessed), its 1-based rank there, and the top tokens there, best
+    first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False)
 class Sequence:
     """A prompt and one continuation of it.
@@ -72,6 +85,12 @@ class Sequence:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     blocks_held: int = 0  # KV blocks it held when it finished (all groups)
+    grammar: Any = None  # xgrammar.GrammarMatcher under structured outputs
+    # prompt logprobs: computed by the request's first sequence only, with this many top
+    # tokens; [None] (the first prompt token has none) then one record per prompt token
+    prompt_logprobs_k: int | None = None
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -11,11 +11,17 @@ def append_token(seq: Sequence, token_id: int, eos_token_ids: Collection[int]) -
     """Add a sampled token to ``seq`` and finish it if a stop condition holds.
 
     Order, as in vLLM: end-of-sequence and stop token ids (the token's text is left out),
-    then stop strings (the text is cut before the match), then max_tokens.
+    then stop strings (the text is cut before the match), then max_tokens. A sequence
+    under structured outputs first feeds the token to its grammar: a stop token that
+    completes the grammar ends it with ``stop`` (even with ``ignore_eos``: nothing may
+    follow), and a token the grammar refuses (the sampler masked it, so never) aborts it.
     """
     seq.token_ids.append(token_id)
     params = seq.params
-    if not params.ignore_eos and token_id in eos_token_ids:
+    if seq.grammar is not None and not seq.grammar.accept_token(token_id):
+        seq.status, seq.stop_reason = SequenceStatus.FINISHED_ABORTED, None
+    elif ((seq.grammar is not None and seq.grammar.is_terminated())
+          or (not params.ignore_eos and token_id in eos_token_ids)):
         seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None
     elif token_id in params.stop_token_ids:
         seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
