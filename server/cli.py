@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                        default=base.get("enable_prefix_caching", True),
                        help="reuse the K/V of prompt prefixes computed before (default: "
                        f"{base.get('enable_prefix_caching', True)})")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "none"],
+                       default=base.get("tool_call_parser") or "none",
+                       help="how tool_choice \"auto\" reads calls from the output; none: "
+                       f"refuse \"auto\" (default: {base.get('tool_call_parser')})")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser
@@ -71,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve_args(ns: argparse.Namespace) -> ServeArgs:
     fields = {f.name for f in dataclasses.fields(ServeArgs)}
-    return ServeArgs(**{k: v for k, v in vars(ns).items() if k in fields and v is not None})
+    kwargs = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
+    if kwargs.get("tool_call_parser") == "none":
+        kwargs["tool_call_parser"] = None
+    return ServeArgs(**kwargs)
 
 
 class GracefulServer(uvicorn.Server):

@@ -10,7 +10,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 
 class StrictModel(BaseModel):
@@ -28,10 +36,40 @@ class UnsupportedFieldError(ValueError):
 
 
 # Fields OpenAI defines that ringserve accepts only at their neutral value (0, empty).
-NEUTRAL_ONLY = ("suffix", "tools")
+NEUTRAL_ONLY = ("suffix",)
 
 
 Stop = str | list[str] | None
+
+
+class JSONSchemaFormat(StrictModel):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(StrictModel):
@@ -53,6 +91,10 @@ class SamplingFields(StrictModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: StrictInt = Field(0, ge=0)
+    bad_words: list[str] | None = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -83,8 +125,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = Field(None, max_length=0)
 
     def check_supported(self) -> None:
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedFieldError("echo", "with logprobs is not supported")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM
+            raise UnsupportedFieldError("prompt_logprobs", "is not available with stream")
 
 
 class ContentPart(StrictModel):
@@ -92,15 +134,69 @@ class ContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    """A message of the history; ``tool`` messages answer an assistant's ``tool_calls``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = Field(None, max_length=0)  # sent back by clients, always empty
+    annotations: list[Any] | None = Field(None, max_length=0)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages need tool_call_id, and only they have one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -111,17 +207,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     n: StrictInt = Field(1, ge=1, le=16)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0)
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
 
     def check_supported(self) -> None:
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedFieldError("tool_choice", "is not supported by ringserve")
-        if self.response_format not in (None, {"type": "text"}):
-            raise UnsupportedFieldError("response_format", "other than text is not supported")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM
+            raise UnsupportedFieldError("prompt_logprobs", "is not available with stream")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
 
@@ -150,12 +243,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first prompt token under echo
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length", "abort"]
+class PromptLogprobEntry(BaseModel):
+    """vLLM's Logprob, in prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsBody = list[dict[int, PromptLogprobEntry] | None]
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -163,6 +266,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobsBody | None = None  # vLLM's extra
 
 
 class CompletionResponse(BaseModel):
@@ -190,7 +294,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -207,6 +312,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None  # vLLM's extra
 
 
 class ModelCard(BaseModel):

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from engine.async_llm import AsyncLLM, StreamDelta
 from engine.outputs import Request
 from server.errors import APIError
@@ -34,9 +34,34 @@ def check_model(state: ServerState, model: str | None) -> str:
     return state.model_name
 
 
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                       ) -> StructuredOutputsParams | None:
+    """The output constraint of ``response_format`` (OpenAI) or ``structured_outputs``
+    (vLLM), at most one of them."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    if so is not None:
+        return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object),
+                                       regex=so.regex, choice=so.choice, grammar=so.grammar)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    assert fmt.json_schema is not None
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        raise APIError(400, "response_format.json_schema.schema is required",
+                       param="response_format")
+    return StructuredOutputsParams(json=schema)
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
-    """The one conversion point from an API body to engine SamplingParams."""
+                    logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The one conversion point from an API body to engine SamplingParams (``constraint``:
+    one that replaces the request's own, from a tool choice)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -44,13 +69,33 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         ignore_eos=req.ignore_eos, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_p=req.min_p, min_tokens=req.min_tokens,
-        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None)
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None,
+        bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
+        structured_outputs=constraint or structured_outputs(req))
 
 
 def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
                 base_id: str) -> list[Request]:
     """Check every prompt before any is queued, so a bad one leaves nothing running."""
     return [llm.prepare(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+
+
+async def prepare_requests(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
+                           base_id: str, *, constraint_param: str | None = None
+                           ) -> list[Request]:
+    """`prepare_all`; under structured outputs in a worker thread (a new schema compiles
+    there, not in the event loop), its errors named after the field the constraint came
+    from (``constraint_param``: ``response_format`` or ``tool_choice``)."""
+    if params.structured_outputs is None:
+        return prepare_all(llm, prompts, params, base_id)
+    try:
+        return await asyncio.to_thread(prepare_all, llm, prompts, params, base_id)
+    except InvalidRequestError as err:
+        if constraint_param and (err.param or "").startswith("structured_outputs"):
+            raise InvalidRequestError(str(err).replace("structured_outputs.json",
+                                                       constraint_param),
+                                      param=constraint_param) from None
+        raise
 
 
 async def merged(llm: AsyncLLM,

@@ -38,6 +38,7 @@ class ServeArgs:
     log_level: str = "info"
     max_body_bytes: int = 4 * 2**20
     enable_prefix_caching: bool = True
+    tool_call_parser: str | None = "hermes"
     debug_kv: bool = False
     cache_dir: str | None = None
 

@@ -56,11 +56,17 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ("suffix", C, {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("unknown model", C, {"prompt": "x", "model": "nope"}, 404, "model"),
     ("no messages", CHAT, {"messages": []}, 400, "messages"),
-    ("tool role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
+    ("tool message without its call id", CHAT, {"messages": [{"role": "tool",
+                                                               "content": "x"}]}, 400,
+     "messages.0"),
+    ("unknown role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages.0.role"),
-    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("json mode", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("tool without a function", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function"),
+    ("json_schema without a schema", C, {"prompt": "x", "response_format": {
+        "type": "json_schema"}}, 400, "response_format"),
+    ("regex that does not compile", C, {"prompt": "x", "structured_outputs": {
+        "regex": "a{2,1}"}}, 400, "structured_outputs.regex"),
     ("top_logprobs alone", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat unknown model", CHAT, {"messages": MSG, "model": "nope"}, 404, "model"),
     ("tokenize nothing", "/tokenize", {}, 400, "prompt"),
@@ -139,11 +145,13 @@ def test_api_key_401_and_queue_full_429(ckpt: pathlib.Path, tmp_path: pathlib.Pa
         threads = [threading.Thread(target=send) for _ in range(2)]
         for t in threads:
             t.start()
-        for _ in range(200):  # until one runs and one waits
+        for _ in range(1500):  # until one runs and one waits (up to 30 s on a busy machine)
             st = s.stats()
             if st["num_requests_running"] == 1 and st["num_requests_waiting"] == 1:
                 break
             threading.Event().wait(0.02)
+        else:
+            pytest.fail(f"never one running and one waiting: {st}")
         err = check_error(httpx.post(s.url + C, json=long, headers=auth), 429, None)
         assert err["code"] == "queue_full"
         for t in threads:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -20,32 +21,47 @@ from server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from server.routes.completions import prompt_logprobs_body
 from server.serving import (
     SSE,
     cancel_on_disconnect,
     check_model,
     merged,
     now,
-    prepare_all,
+    prepare_requests,
     request_id,
     sampling_params,
+)
+from server.tools import (
+    ChoiceCalls,
+    render_messages,
+    template_knows_tools,
+    tool_choice,
+    tool_constraint,
 )
 
 router = APIRouter()
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool) -> list[int]:
-    """Render the chat template and tokenize it (special tokens come from the template)."""
+                    add_generation_prompt: bool, tools: Sequence[Tool] | None = None
+                    ) -> list[int]:
+    """Render the chat template and tokenize it (special tokens come from the template);
+    tools and tool messages as `server.tools.render_messages` writes them."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
+    native = template_knows_tools(tokenizer)
+    history, tool_list = render_messages(messages, tools, native)
     try:
         rendered = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
+            history, tools=tool_list, tokenize=False,
             add_generation_prompt=add_generation_prompt)
     except Exception as err:  # a template may refuse an order of roles, say
         raise APIError(400, f"the chat template rejected these messages: {err}",
@@ -75,41 +91,67 @@ async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) 
     model = check_model(state, req.model)
     req.check_supported()
     tokenizer = llm.engine.tokenizer
-    ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
+    choice = tool_choice(req, state.args.tool_call_parser)
+    ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt,
+                          None if choice == "none" else req.tools)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    constraint = None if choice in ("none", "auto") else tool_constraint(req, choice)
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
-                             logprobs=logprobs)
+                             logprobs=logprobs, constraint=constraint)
+    if choice == "auto":  # a tool-call tag may be a special token: keep it in the text
+        params = dataclasses.replace(params, skip_special_tokens=False)
     rid = request_id("chatcmpl")
-    requests = prepare_all(llm, [{"prompt_token_ids": ids}], params, rid)
+    requests = await prepare_requests(
+        llm, [{"prompt_token_ids": ids}], params, rid,
+        constraint_param="tool_choice" if constraint is not None else
+        None if req.structured_outputs is not None else "response_format")
+    tools = None if choice == "none" else choice
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(llm, requests, rid, model, include_usage),
+        return StreamingResponse(_stream(llm, requests, rid, model, include_usage, tools),
                                  media_type="text/event-stream")
-    return await cancel_on_disconnect(http, _complete(llm, requests, rid, model))
+    return await cancel_on_disconnect(http, _complete(llm, requests, rid, model, tools))
 
 
-async def _complete(llm: Any, requests: list[Any], rid: str,
-                    model: str) -> ChatCompletionResponse:
+def _message(text: str, finish: str | None, tools: str | NamedToolChoice | None
+             ) -> tuple[ChatResponseMessage, str | None]:
+    if tools is None:
+        return ChatResponseMessage(content=text), finish
+    content, calls, finish = ChoiceCalls(tools).whole(text, finish)
+    return ChatResponseMessage(
+        content=content,
+        tool_calls=[ToolCall.model_validate(c.body()) for c in calls] if calls else None,
+    ), finish
+
+
+async def _complete(llm: Any, requests: list[Any], rid: str, model: str,
+                    tools: str | NamedToolChoice | None = None) -> ChatCompletionResponse:
     texts: dict[int, str] = {}
     lps: dict[int, list[TokenLogprob]] = {}
     finish: dict[int, str | None] = {}
     prompt_tokens = completion_tokens = 0
+    records = None
     async for _, delta in merged(llm, requests):
         for s in delta.seqs:
             texts[s.index] = texts.get(s.index, "") + s.text
             lps.setdefault(s.index, []).extend(s.logprobs)
             finish[s.index] = s.finish_reason or finish.get(s.index)
         prompt_tokens, completion_tokens = delta.prompt_tokens, delta.completion_tokens
+        records = delta.prompt_logprobs if delta.prompt_logprobs is not None else records
     want = requests[0].params.logprobs is not None
     tok = llm.engine.tokenizer
-    choices = [ChatChoice(index=k, message=ChatResponseMessage(content=texts[k]),
-                          finish_reason=finish[k],  # type: ignore[arg-type]
-                          logprobs=_logprobs(tok, lps[k]) if want else None)
-               for k in sorted(texts)]
+    choices = []
+    for k in sorted(texts):
+        message, reason = _message(texts[k], finish[k], tools)
+        choices.append(ChatChoice(index=k, message=message,
+                                  finish_reason=reason,  # type: ignore[arg-type]
+                                  logprobs=_logprobs(tok, lps[k]) if want else None))
     return ChatCompletionResponse(
         id=rid, model=model, choices=choices,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens))
+                    total_tokens=prompt_tokens + completion_tokens),
+        prompt_logprobs=None if records is None else prompt_logprobs_body(
+            tok, records, requests[0].params.prompt_logprobs))
 
 
 def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -122,11 +164,13 @@ def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
 
 
 async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, tools: str | NamedToolChoice | None = None
+                  ) -> AsyncIterator[str]:
     created = now()
     want = requests[0].params.logprobs is not None
     tok = llm.engine.tokenizer
     started: set[int] = set()
+    calls: dict[int, ChoiceCalls] = {}
     usage = (0, 0)
     try:
         async for _, delta in merged(llm, requests):
@@ -137,10 +181,19 @@ async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
                     yield _chunk(rid, created, model, [{
                         "index": s.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}])
-                if not s.text and s.finish_reason is None and not s.logprobs:
+                text, reason = s.text, s.finish_reason
+                body: dict[str, Any] = {}
+                if tools is not None:
+                    reader = calls.setdefault(s.index, ChoiceCalls(tools))
+                    text, tool_deltas = reader.feed(text, reason is not None)
+                    reason = reader.finish_reason(reason)
+                    if tool_deltas:
+                        body["tool_calls"] = tool_deltas
+                if text:
+                    body["content"] = text
+                if not body and reason is None and not s.logprobs:
                     continue
-                choice = {"index": s.index, "delta": {"content": s.text} if s.text else {},
-                          "finish_reason": s.finish_reason,
+                choice = {"index": s.index, "delta": body, "finish_reason": reason,
                           "logprobs": _logprobs(tok, s.logprobs).model_dump() if want else None}
                 yield _chunk(rid, created, model, [choice])
         if include_usage:
