@@ -145,9 +145,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """True when the request changes the logits before a token is picked."""
+        """True when the request changes the logits before a token is picked (besides a
+        grammar, which the sampler masks lazily)."""
         return bool(self.has_penalties or self.logit_bias or self.min_p or self.min_tokens
-                    or self.bad_words or self.structured_outputs)
+                    or self.bad_words)
 
     @property
     def greedy(self) -> bool:
