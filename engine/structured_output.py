@@ -1,5 +1,5 @@
 """Structured outputs with xgrammar: a constraint compiled once, a matcher per sequence, the
-whole batch's token bitmask filled and applied at once.
+whole batch's token bitmask filled at once.
 
 A request's constraint (`StructuredOutputsParams`: a JSON schema, any JSON object, a regex,
 a choice of strings, an EBNF grammar) compiles to an xgrammar ``CompiledGrammar``, cached by
@@ -7,9 +7,10 @@ its text, so a schema that thousands of requests share compiles once. Compiling 
 where the request is made (`LLMEngine.make_request`), which the server runs in a worker
 thread, never in the engine loop. Each sequence gets its own ``GrammarMatcher``; every step
 the sampler asks the batch's matchers for the tokens they allow (one bitmask, filled by
-xgrammar's thread pool) and masks the logits of those rows before anything else touches
-them. When a matcher accepts a stop token its grammar is complete and the sequence finishes
-with ``stop`` (`engine.stopping`).
+xgrammar's thread pool) and masks a row's logits only when the token picked without the
+mask is one its grammar refuses (exact; see `engine.sampler.Sampler`). When a matcher
+accepts a stop token its grammar is complete and the sequence finishes with ``stop``
+(`engine.stopping`).
 """
 
 from __future__ import annotations
@@ -104,32 +105,50 @@ class StructuredOutputs:
 
     # -- masking (engine thread) -------------------------------------------------------
 
-    def mask(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-        """Set to -inf, in place, every logit a row's grammar does not allow next.
-
-        Args:
-            logits: float [len(seqs), vocab].
-            seqs: the rows' sequences; those without a grammar are left alone.
-
-        Returns:
-            The rows that were masked.
-        """
+    def fill(self, seqs: Seq[Sequence], rows: list[int]) -> torch.Tensor:
+        """The token bitmask [len(seqs), ceil(vocab / 32)] of int32 words, bit ``t % 32`` of
+        word ``t // 32`` set where the row's grammar allows token ``t`` next; filled for
+        ``rows`` (sequences with a grammar) by xgrammar's thread pool."""
         import xgrammar
 
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
-            return rows
         if self._batch is None:
             self._batch = xgrammar.BatchGrammarMatcher()
-        words = (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
             self._bitmask = xgrammar.allocate_token_bitmask(max(len(seqs), 8), self.vocab_size)
-        bitmask = self._bitmask[: len(seqs), :words]
-        matchers = [seqs[i].grammar for i in rows]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
-                                             vocab_size=self.vocab_size, indices=rows)
-        return rows
+        bitmask = self._bitmask[: len(seqs)]
+        self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask,
+                                                  indices=rows)
+        return bitmask
+
+    def apply(self, tensor: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+              fill: float = float("-inf")) -> None:
+        """Set ``tensor[rows[j], t]`` to ``fill`` where ``bitmask[j]`` refuses token ``t``."""
+        allowed = unpack(bitmask, self.vocab_size).to(tensor.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=tensor.device)
+        picked = tensor.index_select(0, index)
+        picked[:, : self.vocab_size].masked_fill_(~allowed, fill)
+        if tensor.shape[-1] > self.vocab_size:  # logits wider than the vocabulary
+            picked[:, self.vocab_size :] = fill
+        tensor.index_copy_(0, index, picked)
+
+    @staticmethod
+    def allows(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Whether each row of ``bitmask`` allows its token in ``tokens``."""
+        tokens = tokens.to(torch.int64).cpu()
+        words = bitmask.gather(1, (tokens // 32)[:, None]).squeeze(1)
+        return ((words >> (tokens % 32).to(torch.int32)) & 1).bool()
+
+
+# NOTE: xgrammar's words are read as bytes in memory order, so this assumes a
+# little-endian host (x86-64, arm64 as run).
+_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab_size] of a bitmask of int32 words (little-endian bytes)."""
+    rows = bitmask.shape[0]
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(torch.int64)
+    return _BITS[as_bytes].view(rows, -1)[:, :vocab_size]
 
 
 def _compile(compiler: xgrammar.GrammarCompiler,

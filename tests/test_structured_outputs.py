@@ -16,9 +16,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
-from tests.tiny_models import B, make_checkpoint
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+from engine.structured_output import StructuredOutputs, unpack
+from tests.tiny_models import VOCAB, B, byte_bpe_tokenizer, make_checkpoint
 
 SAMPLES = 8  # continuations per constraint (n), each from its own seed
 
@@ -197,3 +201,62 @@ def test_bad_constraints_are_refused_with_the_field(llm: LLM, constraint: dict[s
     assert err.value.param == param
     ok = llm.generate("x", SamplingParams(max_tokens=3, temperature=0.0))  # still serving
     assert ok[0].outputs[0].finish_reason in ("stop", "length")
+
+
+# -- the sampler's lazy mask -------------------------------------------------------------
+
+
+def _grammar_rows(n: int, regex: str, **params: Any) -> tuple[list[Any], StructuredOutputs]:
+    """``n`` sequences under ``regex`` on the tiny tokenizer, ready for the sampler."""
+    tok = byte_bpe_tokenizer()
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id])
+    constraint = StructuredOutputsParams(regex=regex)
+    seqs = []
+    for i in range(n):
+        seq = Sequence(seq_id=i, request_id="r", index=0, token_ids=[1], num_prompt_tokens=1,
+                       params=SamplingParams(structured_outputs=constraint, **params),
+                       max_tokens=8, detokenizer=None)
+        seq.grammar = so.matcher(constraint)
+        seqs.append(seq)
+    return seqs, so
+
+
+def _allowed(so: StructuredOutputs, seqs: list[Any]) -> torch.Tensor:
+    bitmask = so.fill(seqs, list(range(len(seqs))))
+    return unpack(bitmask, VOCAB)
+
+
+def test_lazy_greedy_equals_masking_first() -> None:
+    """Whatever the unmasked argmax, the pick is the masked row's first maximum."""
+    seqs, so = _grammar_rows(64, "[a-c]x", temperature=0.0)
+    allowed = _allowed(so, seqs)
+    logits = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits[::2] += 5.0 * ~allowed[::2]  # even rows: the best token is refused
+    logits[1::4, :] = 0.0  # ties everywhere: the first allowed token
+    expected = logits.masked_fill(~allowed, float("-inf")).max(dim=-1).indices
+    tokens, _ = Sampler(structured=so)(logits.clone(), seqs)
+    assert tokens == expected.tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_lazy_sampling_draws_from_the_masked_distribution(top_k: int) -> None:
+    """A draw refused by the grammar is redrawn from the masked weights; the result is the
+    masked distribution exactly (pinned by counting 12,000 draws). With top-k the mask
+    comes first, so top-k keeps the best allowed tokens, not the best of all."""
+    seqs, so = _grammar_rows(4000, "[a-c]", temperature=1.0, top_k=top_k)
+    allowed = _allowed(so, seqs[:1])[0]
+    ids = allowed.nonzero().squeeze(1)
+    assert len(ids) == 3
+    logits = torch.full((VOCAB,), 3.0)  # refused tokens hold almost all the mass
+    logits[ids] = torch.tensor([0.0, 1.0, 2.0])
+    sampler = Sampler(structured=so)
+    counts = torch.zeros(VOCAB)
+    for _ in range(3):
+        tokens, _ = sampler(logits.expand(len(seqs), -1).clone(), seqs)
+        counts += torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+    assert counts[~allowed].sum() == 0
+    freq = counts[ids] / counts.sum()
+    weights = torch.tensor([0.0, 1.0, 2.0]) if top_k == 0 else torch.tensor(
+        [float("-inf"), 1.0, 2.0])
+    expected = torch.softmax(weights, dim=0)
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
