@@ -85,7 +85,8 @@ async def prepare_requests(llm: AsyncLLM, prompts: Sequence[Any], params: Sampli
                            ) -> list[Request]:
     """`prepare_all`; under structured outputs in a worker thread (a new schema compiles
     there, not in the event loop), its errors named after the field the constraint came
-    from (``constraint_param``: ``response_format`` or ``tool_choice``)."""
+    from (``constraint_param``: ``response_format``, or ``tools`` whose parameters a
+    required or named tool choice generates under)."""
     if params.structured_outputs is None:
         return prepare_all(llm, prompts, params, base_id)
     try:

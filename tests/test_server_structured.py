@@ -255,6 +255,9 @@ def test_auto_tool_choice_reads_hermes_calls(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server: Server, body: dict[str, Any],
                                              param: str) -> None:

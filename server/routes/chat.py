@@ -103,7 +103,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) 
     rid = request_id("chatcmpl")
     requests = await prepare_requests(
         llm, [{"prompt_token_ids": ids}], params, rid,
-        constraint_param="tool_choice" if constraint is not None else
+        constraint_param="tools" if constraint is not None else
         None if req.structured_outputs is not None else "response_format")
     tools = None if choice == "none" else choice
     if req.stream:
