@@ -33,9 +33,10 @@ class Result:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str | None,
-                      prompt: list[int], output_len: int) -> Result:
+                      prompt: list[int], output_len: int, temperature: float = 0.0
+                      ) -> Result:
     body = {"prompt": prompt, "max_tokens": output_len, "stream": True, "ignore_eos": True,
-            "temperature": 0.0, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
     res = Result()
@@ -117,7 +118,8 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
 
         async def guarded(p: list[int]) -> Result:
             async with gate:
-                return await one_request(client, args.url, args.model, p, args.output_len)
+                return await one_request(client, args.url, args.model, p, args.output_len,
+                                         getattr(args, "temperature", 0.0))
 
         start = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts))
@@ -137,6 +139,8 @@ def main() -> None:
     parser.add_argument("--vocab-low", type=int, default=100)
     parser.add_argument("--vocab-high", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 decodes greedily; OpenAI's default is 1")
     parser.add_argument("--timeout", type=float, default=600.0)
     asyncio.run(run(parser.parse_args()))
 

@@ -18,6 +18,7 @@ from paths import MODEL
 
 INPUT_LEN = 128
 OUTPUT_LEN = 128
+TEMPERATURE = 0.0  # greedy unless run.py --temperature says otherwise
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def _args(url: str, concurrency: int, prompts: int, input_len: int, output_len: 
     return argparse.Namespace(url=url, model=MODEL, num_prompts=prompts,
                               concurrency=concurrency, input_len=input_len,
                               output_len=output_len, vocab_low=100, vocab_high=5000,
-                              seed=seed, timeout=900.0)
+                              seed=seed, timeout=900.0, temperature=TEMPERATURE)
 
 
 def warm_up(url: str, concurrency: int) -> None:

@@ -44,7 +44,9 @@ def markdown(data: dict[str, Any]) -> str:
         "(256 MB torch sum, 2 threads). Each server alone on the machine, started, loaded "
         "and stopped in turn. Load: `benchmarks/serve_bench.py`, "
         f"{meta['input_len']} random prompt token ids, {meta['output_len']} output tokens, "
-        "greedy, ignore_eos, streaming; prompts per concurrency "
+        + ("greedy" if not meta.get("temperature") else
+           f"temperature {meta['temperature']:g} (sampled)")
+        + ", ignore_eos, streaming; prompts per concurrency "
         f"{' / '.join(str(p) for p in meta['prompts'])}, each after a warm-up of as many "
         "short requests as the concurrency (16 prompt, 8 output tokens). Output tok/s = "
         "generated tokens / wall time of the load; TPOT and TTFT are medians.",

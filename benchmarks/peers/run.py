@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--retries", type=int, default=2,
                    help="loads measured again when others used the CPUs during them")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the load (default: greedy; OpenAI's "
+                        "default is 1)")
     p.add_argument("--out", type=Path, default=RESULTS / "peers",
                    help="output prefix (default: %(default)s)")
     args = p.parse_args()
@@ -71,6 +74,7 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KINDS)}")
     if len(args.prompts) != len(args.concurrency):
         p.error("--prompts needs one number per --concurrency level")
+    load.TEMPERATURE = args.temperature
     if args.quick:
         args.prompts = list(args.concurrency)
         load.OUTPUT_LEN = 32
@@ -206,6 +210,7 @@ def main() -> None:
         "bandwidth_gb_s": bandwidth / 1e9, "parameters": params, "quick": args.quick,
         "concurrency": args.concurrency, "prompts": args.prompts,
         "input_len": load.INPUT_LEN, "output_len": load.OUTPUT_LEN, "context_tokens": context,
+        "temperature": load.TEMPERATURE,
         "invocation": shlex.join(["python", *sys.argv]), "commit": commit,
         "quiet_wait": args.quiet_wait,
         "hf_folder": str(folder)}, "rows": results}
