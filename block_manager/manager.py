@@ -95,6 +95,7 @@ class KVCacheManager:
         max_model_len: int,
         debug: bool = False,
         enable_prefix_caching: bool = False,
+        speculative_tokens: int = 0,
     ) -> None:
         self.spec = spec
         self.max_model_len = max_model_len
@@ -106,6 +107,12 @@ class KVCacheManager:
         if enable_prefix_caching and spec.ring_slack < spec.block_size - 1:
             raise ValueError("prefix caching needs rings with a block of slack "
                              f"(ring_slack >= {spec.block_size - 1}); see block_manager.ring")
+        slack = (spec.block_size - 1 if enable_prefix_caching else 0) + speculative_tokens
+        if spec.ring_slack < slack:
+            raise ValueError(f"{speculative_tokens} speculative tokens need rings with "
+                             f"{speculative_tokens} tokens of slack beyond prefix caching's "
+                             f"(ring_slack >= {slack}); see block_manager.ring")
+        self.speculative_tokens = speculative_tokens
         self._seqs: dict[Hashable, _SeqState] = {}
         self._reserved_full = 0
         self._reserved_ring = 0
@@ -221,19 +228,27 @@ class KVCacheManager:
     # -- per step ----------------------------------------------------------------------
 
     def append(self, seq_id: Hashable, num_new: int,
-               token_ids: list[int] | None = None) -> list[list[int]]:
+               token_ids: list[int] | None = None, *, drafts: int = 0) -> list[list[int]]:
         """Store ``num_new`` more positions of a sequence; returns slot mappings per group.
 
         A slot of `SKIP_SLOT` (-1) marks a position the write must skip because a later
         position of the same step takes its slot. With prefix caching, ``token_ids`` are the
         positions' tokens, and the blocks this fills become findable at `commit`.
 
+        ``drafts``: the last so many positions are speculative (their tokens not yet
+        verified): they are written, but named and made findable only once `accept` keeps
+        them; `accept` must follow before the next append.
+
         Raises:
-            KVCacheError: the sequence would exceed the tokens it was admitted for.
+            KVCacheError: the sequence would exceed the tokens it was admitted for, or
+                drafts more than the rings' slack allows.
         """
         state = self._state(seq_id)
         start = state.tables[0].num_tokens
         end = start + num_new
+        if not 0 <= drafts < max(num_new, 1) or drafts > self.speculative_tokens:
+            raise KVCacheError(f"{drafts} drafted positions in an append of {num_new}, with "
+                               f"{self.speculative_tokens} speculative tokens of slack")
         if end > state.max_tokens:
             raise KVCacheError(
                 f"sequence {seq_id!r} would hold {end} tokens, more than the "
@@ -243,8 +258,8 @@ class KVCacheManager:
             if token_ids is None or len(token_ids) != num_new:
                 raise KVCacheError("prefix caching needs the appended positions' token ids")
             known = len(state.tokens)
-            if end > known:
-                state.tokens += token_ids[known - start :]
+            if end - drafts > known:
+                state.tokens += token_ids[known - start : num_new - drafts]
                 extend_chain(state.chain, state.tokens, self.spec.block_size)
             self._stepped.append(seq_id)
         b = self.spec.block_size
@@ -259,9 +274,41 @@ class KVCacheManager:
             self._overwrites += overwritten
             self._record(i, seq_id, state, start, slots)
             if self.caching:
-                self._filled(i, seq_id, state, table, start, end)
+                self._filled(i, seq_id, state, table, start, end - drafts)
             mappings.append(slots)
         return mappings
+
+    def accept(self, seq_id: Hashable, num_tokens: int,
+               token_ids: list[int] | None = None) -> None:
+        """After a step with drafts: keep the sequence's first ``num_tokens`` positions and
+        roll back the rest (the rejected drafts stay written, in slots no later query reads:
+        the rings' slack, `block_manager.ring`). With prefix caching, ``token_ids`` are the
+        kept drafts' tokens; their blocks get their names and become findable now (the
+        step's K/V are in).
+
+        Raises:
+            KVCacheError: ``num_tokens`` past what was appended, or before the verified part.
+        """
+        state = self._state(seq_id)
+        end = state.tables[0].num_tokens
+        verified = len(state.tokens) if self.caching else 0
+        if num_tokens > end or (self.caching and num_tokens < verified):
+            raise KVCacheError(f"sequence {seq_id!r}: cannot keep {num_tokens} of {end} "
+                               f"positions ({verified} verified)")
+        for table in state.tables:
+            table.num_tokens = num_tokens
+        if not self.caching or num_tokens == verified:
+            return
+        if token_ids is None or len(token_ids) != num_tokens - verified:
+            raise KVCacheError("prefix caching needs the kept drafts' token ids")
+        state.tokens += token_ids
+        extend_chain(state.chain, state.tokens, self.spec.block_size)
+        for i, table in enumerate(state.tables):
+            table.parked = {}
+            self._record(i, seq_id, state, verified,
+                         [table.slot(p) for p in range(verified, num_tokens)])
+            self._filled(i, seq_id, state, table, verified, num_tokens)
+        self.prefix.commit()
 
     def _append_inside_block(self, seq_id: Hashable, state: _SeqState,
                               p: int) -> list[list[int]]:

@@ -21,6 +21,21 @@ visible to the query at ``k * b`` unless ``R * b >= w + b - 1``. So such a ring 
 
     b = 4, w = 8:  R = 2 in place (position 8 overwrites 0; 5..7 stay until 9..11 come)
                    R = 3 with slack 3 (block 2 takes a fresh block: 0..3 all expired at 8)
+
+Speculative decoding adds ``k`` more. A verification step feeds the last token ``L`` and
+``k`` drafts, writing positions up to ``L + k``, and a draft rejected there has already
+overwritten the slot of ``L + k - C``. After the rollback the sequence may hold only
+``L + 1`` positions, and the next query (at ``L + 1``) reads back to ``L + 2 - w``; the
+step's own first query at ``L`` reads back to ``L - w + 1``. So a rejected draft is harmless
+iff ``L + k - C < L - w + 1``: ``C >= w + k``, slack ``k``. With prefix caching both hold at
+once: the block a draft starts may take a fresh block, and the old one must have expired
+for every query from ``L`` on, so the slacks add up, ``b - 1 + k``::
+
+    b = 2, w = 4, k = 2:  R = 2 (C = 4): the sequence holds 0..5; a step feeds 6 and drafts
+                          7, 8; draft 8 lands on position 4's slot; both drafts are
+                          rejected, and the next query, at 7, reads 4..6: position 4 is gone
+                          R = 3 (C = 6): draft 8 lands on position 2's slot, read by no
+                          query from 6 on (tests/test_spec_decode.py narrates both)
 """
 
 from __future__ import annotations

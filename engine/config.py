@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -33,6 +34,9 @@ class EngineConfig:
             owners (O(window) per sequence and step; tests turn it on). Without it, the
             oldest and newest position each step reads are checked, at O(1).
         cache_dir: where converted models are kept.
+        speculative_config: vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens":
+            3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (a dict or its JSON text;
+            see `engine.spec_decode`); None = off.
     """
 
     model: str
@@ -49,6 +53,7 @@ class EngineConfig:
     debug_kv: bool = False
     cache_dir: str | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         checks = [

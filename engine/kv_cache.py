@@ -9,12 +9,13 @@ from engine.models import KVCaches, ModelConfig
 
 
 def kv_cache_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
-                  prefix_caching: bool = False) -> KVCacheSpec:
-    """The block manager's view of a model: its layer groups by window; with prefix caching
-    each ring holds ``b - 1`` tokens beyond its window (see `block_manager.ring`)."""
+                  prefix_caching: bool = False, speculative_tokens: int = 0) -> KVCacheSpec:
+    """The block manager's view of a model: its layer groups by window; each ring holds
+    ``b - 1`` tokens beyond its window with prefix caching, and ``k`` more with ``k``
+    speculative tokens (see `block_manager.ring`)."""
     return KVCacheSpec(
         block_size=block_size,
-        ring_slack=block_size - 1 if prefix_caching else 0,
+        ring_slack=(block_size - 1 if prefix_caching else 0) + speculative_tokens,
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         groups=group_layers(cfg.layer_windows, num_kv_heads=cfg.num_kv_heads,
                             head_dim=cfg.head_dim),

@@ -26,6 +26,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import PromptLogprob, Sequence, SequenceStatus
+from engine.spec_decode import SpeculativeConfig
 from engine.startup import describe, kv_memory_bytes, pick_device, pick_dtype
 from engine.stopping import append_token
 from engine.structured_output import StructuredOutputs
@@ -60,16 +61,21 @@ class LLMEngine:
         mcfg = self.model.config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
         spec = kv_cache_spec(mcfg, config.block_size, self.dtype,
-                             prefix_caching=config.enable_prefix_caching)
+                             prefix_caching=config.enable_prefix_caching, speculative_tokens=k)
         memory = kv_memory_bytes(config, self.device)
         num_blocks = plan_num_blocks(spec, memory)
         self.kv = KVCacheManager(spec, num_blocks, max_model_len=self.max_model_len,
                                  debug=config.debug_kv,
-                                 enable_prefix_caching=config.enable_prefix_caching)
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 speculative_tokens=k)
         caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   speculative=self.speculative)
+        self.accepted_per_position = [0] * k  # drafts kept at each position of a run
         self.runner = ModelRunner(self.model, self.kv, caches, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=self.device)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size,
@@ -168,8 +174,19 @@ class LLMEngine:
         touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
         try:
             logits, prompt_logprobs = self.runner.execute(scheduled)
-            sampling = [i for i in scheduled if i.samples]
-            tokens, logprobs = self.sampler(logits, [i.seq for i in sampling])
+            sampling, rows, runs = [], [], {}
+            row = 0
+            for item in (i for i in scheduled if i.samples):
+                if item.draft:  # a speculative decode: its rows are verified, not sampled
+                    runs[id(item)] = self.sampler.verify(
+                        logits[row : row + 1 + len(item.draft)], item.seq, item.draft)
+                    row += 1 + len(item.draft)
+                else:
+                    sampling.append(item)
+                    rows.append(row)
+                    row += 1
+            tokens, logprobs = self.sampler(logits if not runs else logits[rows],
+                                            [i.seq for i in sampling])
         except Exception as err:  # surface it to the requests of this step, keep serving
             logger.exception("step failed; aborting its %d requests", len(touched))
             for request in set(touched.values()):
@@ -177,33 +194,59 @@ class LLMEngine:
                 self.abort_request(request.request_id)
             return list({id(r): r for r in touched.values()}.values())
         self._update(scheduled, sampling, tokens, logprobs, prompt_logprobs)
+        for item in scheduled:
+            if item.draft:
+                self._update_run(item, *runs[id(item)])
         return list({id(r): r for r in touched.values()}.values())
 
     def _update(self, scheduled: list[ScheduledSeq], sampling: list[ScheduledSeq],
                 tokens: list[int], logprobs: list[Any],
                 prompt_logprobs: dict[int, list[PromptLogprob]]) -> None:
-        now = time.monotonic()
         for item in scheduled:
             item.seq.prompt_logprobs += prompt_logprobs.get(item.seq.seq_id, ())
             if item.seq.is_prefilling:
                 self.counters["prompt_tokens"] += min(
                     item.num_new, item.seq.num_prompt_tokens - item.seq.num_computed)
-            item.seq.num_computed += item.num_new
+            item.seq.num_computed += item.num_new - len(item.draft)
         for item, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            seq = item.seq
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp.logprob
-            append_token(seq, token, self.eos_token_ids)
-            self.counters["generation_tokens"] += 1
-            if seq.status.is_finished:
-                self._finish(seq)
-                request = self.requests[seq.request_id]
-                if request.finished:
-                    self._retire(request)
+            self._emit(item.seq, token, lp)
+
+    def _update_run(self, item: ScheduledSeq, tokens: list[int],
+                    logprobs: list[Any]) -> None:
+        """Emit a speculative decode's tokens up to the first that finishes the sequence,
+        and keep the K/V of the drafts it kept (the rest roll back)."""
+        seq = item.seq
+        kept = len(tokens) - 1  # drafts kept; the last token is the model's own
+        self.counters["spec_decode_num_drafts"] += 1
+        self.counters["spec_decode_num_draft_tokens"] += len(item.draft)
+        self.counters["spec_decode_num_accepted_tokens"] += kept
+        for j in range(kept):
+            self.accepted_per_position[j] += 1
+        for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            if self._emit(seq, token, lp):
+                return
+            if j < kept:
+                seq.num_computed += 1
+        self.kv.accept(seq.seq_id, seq.num_computed, list(item.draft[:kept]))
+
+    def _emit(self, seq: Sequence, token: int, lp: Any) -> bool:
+        """Append a sampled token; True if it finished the sequence."""
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+        append_token(seq, token, self.eos_token_ids)
+        self.counters["generation_tokens"] += 1
+        if not seq.status.is_finished:
+            return False
+        self._finish(seq)
+        request = self.requests[seq.request_id]
+        if request.finished:
+            self._retire(request)
+        return True
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -292,6 +335,11 @@ class LLMEngine:
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
             "requests_rejected": self.counters["requests_rejected"],
+            "spec_decode_num_drafts": self.counters["spec_decode_num_drafts"],
+            "spec_decode_num_draft_tokens": self.counters["spec_decode_num_draft_tokens"],
+            "spec_decode_num_accepted_tokens":
+                self.counters["spec_decode_num_accepted_tokens"],
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
         out["kv_group_blocks_used"] = dict(zip(kv.group_names, kv.blocks_used_per_group,
                                                strict=True))

@@ -63,11 +63,11 @@ class ModelRunner:
         """Feed the step's tokens through the model, writing their K/V into the ring.
 
         Returns:
-            logits [num sampling sequences, vocab] in the model's dtype (float32 where the
-            model soft-caps them), in the order of ``scheduled`` restricted to the entries
-            whose `samples` is true; and, by sequence id, the prompt logprobs of this
-            step's prompt positions for sequences that ask for them (see
-            `prompt_logprobs`).
+            logits [rows, vocab] in the model's dtype (float32 where the model soft-caps
+            them), in the order of ``scheduled`` restricted to the entries whose `samples`
+            is true: one row each, ``1 + len(draft)`` rows for a speculative decode;
+            and, by sequence id, the prompt logprobs of this step's prompt positions for
+            sequences that ask for them (see `prompt_logprobs`).
         """
         input_ids, batch = self.prepare(scheduled)
         try:
@@ -140,15 +140,16 @@ class ModelRunner:
             # ring entry a fresh block (for positions this step writes) while the step's
             # first queries still read the old one.
             rows.append(self._sync_row(seq.seq_id))
-            tokens = seq.token_ids[start : start + n]
-            for g, mapping in enumerate(self.kv.append(seq.seq_id, n, tokens)):
+            tokens = seq.token_ids[start : start + n - len(item.draft)] + list(item.draft)
+            for g, mapping in enumerate(self.kv.append(seq.seq_id, n, tokens,
+                                                       drafts=len(item.draft))):
                 slots[g] += mapping
             ids += tokens
             positions += range(start, start + n)
             context.append(start)
             starts.append(starts[-1] + n)
-            if item.samples:
-                logits_rows.append(starts[-1] - 1)
+            if item.samples:  # a verified run: every position's next-token logits
+                logits_rows += range(starts[-1] - 1 - len(item.draft), starts[-1])
         dev = self.device
         row_index = torch.tensor(rows, dtype=torch.int64)
         groups = tuple(

@@ -3,6 +3,7 @@ top-k, top-p, seeds, logprobs."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 
 import torch
@@ -86,6 +87,41 @@ class Sampler:
                                              bitmask[i : i + 1])
         token_list: list[int] = tokens.tolist()
         return token_list, self._logprobs(logits, seqs, token_list)
+
+    def verify(self, logits: torch.Tensor, seq: Sequence, draft: tuple[int, ...]
+               ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens a speculative decode emits: drafts kept while they pass, then one
+        from the model (a correction, or a bonus token after the last draft).
+
+        ``logits`` [1 + len(draft), vocab]: row ``j`` predicts the token after draft
+        ``j - 1`` (row 0: after the sequence's last token). Greedy keeps a draft while it is
+        the row's first maximum and emits the first maximum where it is not: the tokens of
+        decoding one at a time. Sampling uses the rejection rule for a draft that is one
+        token for sure: keep draft ``x`` with probability ``p(x)``, else draw from ``p``
+        without ``x`` (renormalised); every emitted token then follows ``p`` exactly, and a
+        seeded sequence draws its uniforms from its own generator, so it stays reproducible.
+        """
+        if seq.params.greedy:
+            best = logits.max(dim=-1).indices.tolist()
+            out = [d for d, _ in itertools.takewhile(lambda x: x[0] == x[1],
+                                                     zip(draft, best, strict=False))]
+            out.append(best[len(out)])
+        else:
+            weights = self._weights(logits.to(torch.float32, copy=True), [seq] * len(logits))
+            out = []
+            for j, token in enumerate(draft):
+                row = weights[j]
+                keep = float(row[token] / row.sum())
+                if float(self._uniforms([seq])[0]) < keep:
+                    out.append(token)
+                    continue
+                row[token] = 0.0
+                break
+            else:
+                row = weights[len(draft)]
+            out.append(int(inverse_cdf(row[None], self._uniforms([seq]))[0]))
+        lps = self._logprobs(logits[: len(out)], [seq] * len(out), out)
+        return out, lps
 
     def _pick_rows(self, logits: torch.Tensor, seqs: list[Sequence], masked: list[int]
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:

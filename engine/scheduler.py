@@ -12,18 +12,20 @@ from collections import deque
 from dataclasses import dataclass
 
 from block_manager import KVCacheManager
+from engine import spec_decode
 from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new: int  # tokens fed this step: a prefill chunk, or 1 for a decode
+    num_new: int  # tokens fed this step: a prefill chunk, 1 for a decode, 1 + drafts
+    draft: tuple[int, ...] = ()  # speculative tokens fed after the sequence's last one
 
     @property
     def samples(self) -> bool:
         """True when this step completes the fed tokens, so a token is sampled."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,14 @@ class Scheduler:
         kv: the KV cache manager (admission, block tables).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens fed per step (decodes and prefill chunks together).
+        speculative: drafts decodes by prompt lookup (`engine.spec_decode`).
     """
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int,
+                 speculative: spec_decode.SpeculativeConfig | None = None) -> None:
         self.kv = kv
+        self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,12 +70,17 @@ class Scheduler:
         # max_num_seqs (the engine checks it) every running decode gets its token each step.
         decoding = [s for s in self.running if not s.is_prefilling]
         prefilling = [s for s in self.running if s.is_prefilling]
-        for seq in decoding + prefilling:
+        for rank, seq in enumerate(decoding + prefilling):
             if budget == 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
-            out.append(ScheduledSeq(seq, n))
-            budget -= n
+            draft: tuple[int, ...] = ()
+            if self.speculative is not None and rank < len(decoding):
+                # drafts take only budget no later decode needs for its own token
+                room = budget - n - (len(decoding) - rank - 1)
+                draft = self._draft(seq, room)
+            out.append(ScheduledSeq(seq, n + len(draft), draft))
+            budget -= n + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prompt = seq.token_ids[: seq.num_prompt_tokens]
@@ -92,6 +102,17 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return SchedulerOutput(out)
+
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """A decode's drafted tokens: at most ``room``, none past its last output token."""
+        spec = self.speculative
+        assert spec is not None
+        k = min(spec.num_speculative_tokens, room,
+                seq.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0 or not spec_decode.speculates(seq):
+            return ()
+        return tuple(spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
+                                         spec.prompt_lookup_max))
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence's blocks at once."""

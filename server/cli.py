@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=base.get("enable_prefix_caching", True),
                        help="reuse the K/V of prompt prefixes computed before (default: "
                        f"{base.get('enable_prefix_caching', True)})")
+    for p in (serve, gen):
+        p.add_argument("--speculative-config", default=base.get("speculative_config"),
+                       help='vLLM\'s, as JSON: \'{"method": "ngram", '
+                       '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                       '"prompt_lookup_min": 2}\' (default: off)')
     serve.add_argument("--tool-call-parser", choices=["hermes", "none"],
                        default=base.get("tool_call_parser") or "none",
                        help="how tool_choice \"auto\" reads calls from the output; none: "

@@ -50,6 +50,9 @@ COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed again).",
     "prefix_cache_evictions": "Cached KV blocks evicted to make room.",
+    "spec_decode_num_drafts": "Speculative decodes (steps that verified drafted tokens).",
+    "spec_decode_num_draft_tokens": "Drafted tokens verified.",
+    "spec_decode_num_accepted_tokens": "Drafted tokens kept.",
 }
 GROUP_GAUGES = {  # per window's layer groups: (KVStats field, help)
     "kv_group_blocks_used": ("blocks_used_per_group", "KV blocks of a layer group in use."),
@@ -90,6 +93,12 @@ class _EngineCollector(Collector):
         for reason in FINISH_REASONS:
             c.add_metric([*label, reason], float(stats.get(f"request_success_{reason}", 0)))
         yield c
+        c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                "Drafted tokens kept, by position in the draft (0 = first).",
+                                labels=["model_name", "position"])
+        for pos, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            c.add_metric([*label, str(pos)], float(count))
+        yield c
         yield from self._groups(label)
 
     def _groups(self, label: list[str]) -> Iterator[GaugeMetricFamily]:
@@ -103,8 +112,9 @@ class _EngineCollector(Collector):
                                     strict=True):
                 g.add_metric([*label, group], float(value))
             yield g
-        ring = _gauge("kv_group_ring_blocks", "Ring length R = ceil(window / block_size): the "
-                      "most blocks a sequence holds in a sliding group.", ["group"])
+        ring = _gauge("kv_group_ring_blocks", "Ring length R = ceil((window + slack) / "
+                      "block_size): the most blocks a sequence holds in a sliding group.",
+                      ["group"])
         for group, members in spec.names().items():
             r = spec.ring_blocks(members[0])
             if r is not None:

@@ -39,6 +39,7 @@ class ServeArgs:
     max_body_bytes: int = 4 * 2**20
     enable_prefix_caching: bool = True
     tool_call_parser: str | None = "hermes"
+    speculative_config: str | None = None
     debug_kv: bool = False
     cache_dir: str | None = None
 
@@ -50,7 +51,7 @@ class ServeArgs:
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,
                     enable_prefix_caching=self.enable_prefix_caching,
-                    cache_dir=self.cache_dir)
+                    cache_dir=self.cache_dir, speculative_config=self.speculative_config)
 
 
 @dataclass

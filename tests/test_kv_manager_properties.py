@@ -204,18 +204,20 @@ class PrefixRingMachine(RuleBasedStateMachine):
         pool_blocks=st.integers(8, 80),
         stems=st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1,
                        max_size=3),
+        k=st.integers(0, 3),
     )
     def setup(self, block_size: int, layer_windows: list[int | None], pool_blocks: int,
-              stems: list[list[int]]) -> None:
-        self.b = block_size
+              stems: list[list[int]], k: int) -> None:
+        self.b, self.k = block_size, k
         self.spec = KVCacheSpec(
-            block_size=block_size, dtype_bytes=2, ring_slack=block_size - 1,
+            block_size=block_size, dtype_bytes=2, ring_slack=block_size - 1 + k,
             groups=group_layers(layer_windows, num_kv_heads=1, head_dim=4),
         )
         self.windows = [g.window for g in self.spec.groups]
         self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=80, debug=True,
-                                 enable_prefix_caching=True)
+                                 enable_prefix_caching=True, speculative_tokens=k)
         self.stems = stems
+        self.prompt_len: dict[int, int] = {}
         self.shadow: dict[int, tuple[object, ...]] = {}
         self.tokens: dict[int, list[int]] = {}  # every token the sequence will hold
         self.length: dict[int, int] = {}
@@ -227,7 +229,7 @@ class PrefixRingMachine(RuleBasedStateMachine):
 
     def _slot(self, row: list[int], p: int, g: int) -> int:
         window = self.windows[g]
-        ring = None if window is None else -(-(window + self.b - 1) // self.b)
+        ring = None if window is None else -(-(window + self.b - 1 + self.k) // self.b)
         entry = p // self.b if ring is None else (p // self.b) % ring
         return row[entry] * self.b + p % self.b
 
@@ -253,6 +255,7 @@ class PrefixRingMachine(RuleBasedStateMachine):
         assert reuse or cached == 0
         assert self.kv.num_tokens(sid) == cached
         self.tokens[sid] = prompt + extra
+        self.prompt_len[sid] = len(prompt)
         self.length[sid] = cached
         rows = self.kv.block_tables(sid)
         for g in range(len(self.windows)):  # the hit holds exactly what computing would
@@ -293,6 +296,30 @@ class PrefixRingMachine(RuleBasedStateMachine):
     @rule(sid=seqs)
     def decode_one(self, sid: int) -> None:
         self._append(sid, 1)
+
+    @rule(sid=seqs, drafts=st.lists(st.integers(0, 2), min_size=1, max_size=3),
+          kept=st.integers(0, 3))
+    def speculate(self, sid: int, drafts: list[int], kept: int) -> None:
+        """A verification step: the last token and up to k drafts; the first ``kept`` drafts
+        are the sequence's real next tokens and are kept, the others (whatever their
+        tokens) are rejected and rolled back."""
+        if sid not in self.length or self.k == 0:
+            return
+        start, tokens = self.length[sid], self.tokens[sid]
+        d = min(len(drafts), self.k, len(tokens) - start - 1)
+        if start < self.prompt_len[sid] or d <= 0:  # only decodes speculate
+            return
+        kept = min(kept, d)
+        drafts = tokens[start + 1 : start + 1 + kept] + drafts[kept:d]
+        assert self.kv.check_reads(sid, start) == 0
+        fed = [tokens[start], *drafts]
+        for g, slots in enumerate(self.kv.append(sid, 1 + d, fed, drafts=d)):
+            for offset, slot in enumerate(slots):
+                if slot != SKIP_SLOT:  # a draft's K/V: of the drafted tokens
+                    self.shadow[slot] = (g, tuple(tokens[:start] + fed[: offset + 1]))
+        self.kv.commit()
+        self.kv.accept(sid, start + 1 + kept, drafts[:kept])
+        self.length[sid] = start + 1 + kept
 
     @rule(sid=consumes(seqs), n=st.integers(1, 10))
     def failed_step(self, sid: int, n: int) -> None:

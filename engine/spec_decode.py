@@ -1,0 +1,98 @@
+"""Speculative decoding by prompt lookup (vLLM's ``ngram`` method): drafts without a second
+model.
+
+A sequence's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) are looked up in its own prompt and output; the tokens that followed
+their most recent earlier occurrence are the draft. Outputs that repeat their input (code
+edits, summaries, extraction, answers quoting a document) find long drafts; others find
+none and decode as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.errors import InvalidRequestError
+from engine.sequence import Sequence
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("method", self.method == "ngram", "must be 'ngram' (no draft models here)"),
+            ("num_speculative_tokens", 1 <= self.num_speculative_tokens
+             <= MAX_SPECULATIVE_TOKENS, f"must be in [1, {MAX_SPECULATIVE_TOKENS}]"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             "must be >= prompt_lookup_min"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidRequestError(
+                    f"speculative_config.{name} {rule}, got {getattr(self, name)!r}",
+                    param=f"speculative_config.{name}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None
+              ) -> SpeculativeConfig | None:
+        """From a dict, its JSON text (the CLI flag), or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise InvalidRequestError(f"speculative_config is not JSON: {err}",
+                                          param="speculative_config") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object",
+                                      param="speculative_config")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown keys {unknown}; known: "
+                                      f"{sorted(known)}", param="speculative_config")
+        return cls(**value)
+
+
+def propose(tokens: list[int] | np.ndarray, k: int, lookup_min: int, lookup_max: int
+            ) -> list[int]:
+    """Up to ``k`` drafted tokens for the sequence ``tokens`` (prompt then output).
+
+    The longest suffix of ``n`` tokens (``lookup_max >= n >= lookup_min``) that also occurs
+    earlier wins; of its earlier occurrences the most recent one; the draft is what followed
+    it (fewer than ``k`` tokens when it runs into the end). No match: no draft.
+    """
+    seq = np.asarray(tokens, dtype=np.int64)
+    size = len(seq)
+    for n in range(min(lookup_max, size - 1), lookup_min - 1, -1):
+        pattern = seq[size - n :]
+        # windows starting at 0 .. size - n - 1: every occurrence but the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return [int(t) for t in seq[start : start + k]]
+    return []
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether a sequence may decode speculatively: its logits see no processing that
+    depends on the tokens before each position (penalties, biases, min_tokens, bad words,
+    a grammar), which a verified run would have to replay token by token."""
+    return not seq.params.processes_logits and seq.grammar is None
