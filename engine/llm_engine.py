@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
+from engine import spec_decode
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
@@ -222,6 +223,7 @@ class LLMEngine:
         self.counters["spec_decode_num_accepted_tokens"] += kept
         for j in range(kept):
             self.accepted_per_position[j] += 1
+        spec_decode.back_off(seq, kept)
         for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             if self._emit(seq, token, lp):
                 return

@@ -111,6 +111,9 @@ class Scheduler:
                 seq.max_tokens - seq.num_output_tokens - 1)
         if k <= 0 or not spec_decode.speculates(seq):
             return ()
+        if seq.spec_wait > 0:  # drafts kept failing: decode plainly for a while
+            seq.spec_wait -= 1
+            return ()
         return tuple(spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
                                          spec.prompt_lookup_max))
 

@@ -86,6 +86,8 @@ class Sequence:
     sent_logprobs: int = 0
     blocks_held: int = 0  # KV blocks it held when it finished (all groups)
     grammar: Any = None  # xgrammar.GrammarMatcher under structured outputs
+    spec_misses: int = 0  # speculative decodes in a row that kept no draft
+    spec_wait: int = 0  # decodes left before the next draft (back-off)
     # prompt logprobs: computed by the request's first sequence only, with this many top
     # tokens; [None] (the first prompt token has none) then one record per prompt token
     prompt_logprobs_k: int | None = None

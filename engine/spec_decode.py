@@ -96,3 +96,19 @@ def speculates(seq: Sequence) -> bool:
     depends on the tokens before each position (penalties, biases, min_tokens, bad words,
     a grammar), which a verified run would have to replay token by token."""
     return not seq.params.processes_logits and seq.grammar is None
+
+
+MAX_BACK_OFF = 16  # decodes without drafts, at most, after drafts kept failing
+
+
+def back_off(seq: Sequence, kept: int) -> None:
+    """After a speculative decode: a sequence whose drafts were all rejected twice in a row
+    or more waits ``2 ** (misses - 2)`` decodes (at most `MAX_BACK_OFF`) before drafting
+    again, so a workload that repeats nothing pays little for trying; one kept draft
+    resets it."""
+    if kept:
+        seq.spec_misses = 0
+        return
+    seq.spec_misses += 1
+    if seq.spec_misses >= 2:
+        seq.spec_wait = min(2 ** (seq.spec_misses - 2), MAX_BACK_OFF)

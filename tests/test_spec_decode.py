@@ -257,3 +257,47 @@ def test_the_capacity_statement_counts_the_larger_rings(
     assert base.engine.kv.ring_blocks[0] == math.ceil(6 / 4)
     assert spec.engine.kv.ring_blocks[0] == math.ceil((6 + 5) / 4)
     assert spec.stats()["max_concurrent_sequences"] < base.stats()["max_concurrent_sequences"]
+
+
+def test_the_server_flag_and_metrics(checkpoints: dict[str, pathlib.Path],
+                                     tmp_path: pathlib.Path) -> None:
+    """`ringserve serve --speculative-config JSON`: the same greedy text as plain decoding,
+    and vLLM's spec_decode counters on /metrics."""
+    import openai
+
+    from tests.server_utils import run_server
+
+    path = checkpoints["gemma3_text"]
+    prompts = _prompts()
+    ref = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory="4MiB",
+              max_model_len=256)
+    expected = [o.outputs[0].text for o in ref.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))]
+    flags = ("--dtype", "float32", "--block-size", "4", "--kv-cache-memory", "4MiB",
+             "--max-model-len", "256", "--debug-kv", "--speculative-config",
+             '{"method": "ngram", "num_speculative_tokens": 4}')
+    with run_server(path, *flags, "--served-model-name", "tiny", log_dir=tmp_path) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt=prompts, max_tokens=30,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        stats = s.stats()
+    assert [c.text for c in out.choices] == expected
+    assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens_total"] >= \
+        stats["spec_decode_num_accepted_tokens_total"]
+    assert stats["kv_read_misses_total"] == 0
+
+
+def test_back_off_after_drafts_keep_failing() -> None:
+    seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1], num_prompt_tokens=1,
+                   params=SamplingParams(), max_tokens=8, detokenizer=None)
+    waits = []
+    for _ in range(8):
+        spec_decode.back_off(seq, 0)
+        waits.append(seq.spec_wait)
+        seq.spec_wait = 0
+    assert waits == [0, 1, 2, 4, 8, 16, 16, 16]
+    spec_decode.back_off(seq, 2)  # one kept draft starts over
+    spec_decode.back_off(seq, 0)
+    assert (seq.spec_misses, seq.spec_wait) == (1, 0)
