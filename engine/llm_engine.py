@@ -172,6 +172,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
+        started = time.perf_counter()
         touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
         try:
             logits, prompt_logprobs = self.runner.execute(scheduled)
@@ -194,6 +195,9 @@ class LLMEngine:
                 request.error = err
                 self.abort_request(request.request_id)
             return list({id(r): r for r in touched.values()}.values())
+        if self.speculative is not None:
+            self.scheduler.step_cost.observe(sum(i.num_new for i in scheduled),
+                                             time.perf_counter() - started)
         self._update(scheduled, sampling, tokens, logprobs, prompt_logprobs)
         for item in scheduled:
             if item.draft:
@@ -223,7 +227,7 @@ class LLMEngine:
         self.counters["spec_decode_num_accepted_tokens"] += kept
         for j in range(kept):
             self.accepted_per_position[j] += 1
-        spec_decode.back_off(seq, kept)
+        spec_decode.back_off(seq, kept, len(item.draft))
         for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             if self._emit(seq, token, lp):
                 return

@@ -52,6 +52,7 @@ class Scheduler:
                  speculative: spec_decode.SpeculativeConfig | None = None) -> None:
         self.kv = kv
         self.speculative = speculative
+        self.step_cost = spec_decode.StepCost()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -78,7 +79,7 @@ class Scheduler:
             if self.speculative is not None and rank < len(decoding):
                 # drafts take only budget no later decode needs for its own token
                 room = budget - n - (len(decoding) - rank - 1)
-                draft = self._draft(seq, room)
+                draft = self._draft(seq, room, len(decoding))
             out.append(ScheduledSeq(seq, n + len(draft), draft))
             budget -= n + len(draft)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -103,8 +104,10 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(out)
 
-    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """A decode's drafted tokens: at most ``room``, none past its last output token."""
+    def _draft(self, seq: Sequence, room: int, decodes: int) -> tuple[int, ...]:
+        """A decode's drafted tokens: at most ``room``, none past its last output token,
+        none while its drafts fail (back-off) or are kept too rarely to pay for the
+        tokens they add to a step of ``decodes`` decodes (`spec_decode.StepCost`)."""
         spec = self.speculative
         assert spec is not None
         k = min(spec.num_speculative_tokens, room,
@@ -113,6 +116,10 @@ class Scheduler:
             return ()
         if seq.spec_wait > 0:  # drafts kept failing: decode plainly for a while
             seq.spec_wait -= 1
+            return ()
+        if not self.step_cost.worth(seq.spec_acceptance, decodes):
+            # NOTE: let the estimate recover: it only changes when the sequence drafts
+            seq.spec_acceptance = min(1.0, seq.spec_acceptance + 0.02)
             return ()
         return tuple(spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
                                          spec.prompt_lookup_max))

@@ -88,6 +88,7 @@ class Sequence:
     grammar: Any = None  # xgrammar.GrammarMatcher under structured outputs
     spec_misses: int = 0  # speculative decodes in a row that kept no draft
     spec_wait: int = 0  # decodes left before the next draft (back-off)
+    spec_acceptance: float = 1.0  # drafted tokens kept, recent average (optimistic start)
     # prompt logprobs: computed by the request's first sequence only, with this many top
     # tokens; [None] (the first prompt token has none) then one record per prompt token
     prompt_logprobs_k: int | None = None

@@ -294,10 +294,25 @@ def test_back_off_after_drafts_keep_failing() -> None:
                    params=SamplingParams(), max_tokens=8, detokenizer=None)
     waits = []
     for _ in range(8):
-        spec_decode.back_off(seq, 0)
+        spec_decode.back_off(seq, 0, 3)
         waits.append(seq.spec_wait)
         seq.spec_wait = 0
     assert waits == [0, 1, 2, 4, 8, 16, 16, 16]
-    spec_decode.back_off(seq, 2)  # one kept draft starts over
-    spec_decode.back_off(seq, 0)
+    spec_decode.back_off(seq, 2, 3)  # one kept draft starts over
+    spec_decode.back_off(seq, 0, 3)
     assert (seq.spec_misses, seq.spec_wait) == (1, 0)
+
+
+def test_step_cost_learns_what_a_token_costs() -> None:
+    cost = spec_decode.StepCost()
+    assert cost.worth(0.01, 8)  # nothing learned yet: try
+    for tokens in [8, 48, 20, 8, 33, 8, 40, 12] * 3:
+        cost.observe(tokens, 0.0145 + 0.0034 * tokens)
+    fitted = cost.fit()
+    assert fitted is not None
+    a, b = fitted
+    assert abs(a - 0.0145) < 1e-6 and abs(b - 0.0034) < 1e-6
+    # one decode: a token costs 17.9 ms plainly, a draft 3.4 ms: worth it from ~19% kept
+    assert cost.worth(0.25, 1) and not cost.worth(0.15, 1)
+    # eight decodes: 5.2 ms a token plainly: worth it only from ~65% kept
+    assert cost.worth(0.75, 8) and not cost.worth(0.6, 8)
