@@ -197,6 +197,7 @@ class LLMEngine:
             return list({id(r): r for r in touched.values()}.values())
         if self.speculative is not None:
             self.scheduler.step_cost.observe(sum(i.num_new for i in scheduled),
+                                             sum(bool(i.draft) for i in scheduled),
                                              time.perf_counter() - started)
         self._update(scheduled, sampling, tokens, logprobs, prompt_logprobs)
         for item in scheduled:

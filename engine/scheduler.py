@@ -117,12 +117,13 @@ class Scheduler:
         if seq.spec_wait > 0:  # drafts kept failing: decode plainly for a while
             seq.spec_wait -= 1
             return ()
-        if not self.step_cost.worth(seq.spec_acceptance, decodes):
+        draft = spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
+                                    spec.prompt_lookup_max)
+        if draft and not self.step_cost.worth(seq.spec_acceptance, decodes, len(draft)):
             # NOTE: let the estimate recover: it only changes when the sequence drafts
             seq.spec_acceptance = min(1.0, seq.spec_acceptance + 0.02)
             return ()
-        return tuple(spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
-                                         spec.prompt_lookup_max))
+        return tuple(draft)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence's blocks at once."""

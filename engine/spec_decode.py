@@ -117,45 +117,40 @@ def back_off(seq: Sequence, kept: int, drafted: int) -> None:
 
 
 class StepCost:
-    """What a step costs per token fed, learned as the engine runs: ``t = a + b * tokens``
-    fitted to recent steps (exponentially weighted least squares).
+    """What a step costs, learned as the engine runs: ``t = a + b * tokens + c * rows``
+    fitted to recent steps (exponentially weighted least squares), ``rows`` counting the
+    speculative decodes (a verification row takes the attention path of a short chunk,
+    which costs more than a decode's).
 
-    On a memory-bound device a step's cost barely grows with its tokens (``b`` small), and
-    every likely draft pays. Where it grows (a CPU at batch 8 with quantized weights: 14.5
-    ms a step plus 3.4 ms a token, measured), a draft token pays only if it is kept with
-    probability over ``b`` divided by the plain cost of a token, ``(a + n b) / n`` for
-    ``n`` decodes.
+    On a memory-bound device a step's cost barely grows with its tokens, and every likely
+    draft pays. Where it grows (this CPU at batch 8 with quantized weights: about 14.5 ms a
+    step, 3.4 ms a token, 3.5 ms a verification row), ``d`` drafts pay only if the tokens
+    they are expected to keep, ``acceptance * d``, each worth what a token costs plainly,
+    ``(a + n b) / n`` for ``n`` decodes, outweigh ``c + b d``.
     """
 
     def __init__(self, decay: float = 0.05) -> None:
         self.decay = decay
-        self.n = 0.0
-        self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.gram = np.zeros((3, 3))  # sums of x x^T, x = (1, tokens, rows)
+        self.moment = np.zeros(3)  # sums of x t
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        keep = 1.0 - self.decay
-        self.n = keep * self.n + 1.0
-        self.sx = keep * self.sx + tokens
-        self.sy = keep * self.sy + seconds
-        self.sxx = keep * self.sxx + tokens * tokens
-        self.sxy = keep * self.sxy + tokens * seconds
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        x = np.array([1.0, tokens, rows])
+        self.gram = (1.0 - self.decay) * self.gram + np.outer(x, x)
+        self.moment = (1.0 - self.decay) * self.moment + x * seconds
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None until the steps seen vary enough in size to tell."""
-        if self.n < 4:
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None until the steps seen vary enough to tell them apart."""
+        if self.gram[0, 0] < 4 or np.linalg.cond(self.gram) > 1e8:
             return None
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mean_x * mean_x
-        if var < 1.0:
-            return None
-        b = (self.sxy / self.n - mean_x * mean_y) / var
-        return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
+        a, b, c = np.linalg.solve(self.gram, self.moment)
+        return max(float(a), 0.0), max(float(b), 0.0), max(float(c), 0.0)
 
-    def worth(self, acceptance: float, decodes: int) -> bool:
-        """Whether drafting pays for a sequence whose drafts are kept at ``acceptance``,
-        in a step of ``decodes`` decodes."""
+    def worth(self, acceptance: float, decodes: int, drafts: int) -> bool:
+        """Whether ``drafts`` drafts pay for a sequence whose drafts are kept at
+        ``acceptance``, in a step of ``decodes`` decodes."""
         fitted = self.fit()
         if fitted is None:
             return True
-        a, b = fitted
-        return acceptance * (a + decodes * b) / decodes > b
+        a, b, c = fitted
+        return acceptance * drafts * (a + decodes * b) / decodes > c + b * drafts

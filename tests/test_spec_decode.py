@@ -303,16 +303,17 @@ def test_back_off_after_drafts_keep_failing() -> None:
     assert (seq.spec_misses, seq.spec_wait) == (1, 0)
 
 
-def test_step_cost_learns_what_a_token_costs() -> None:
+def test_step_cost_learns_what_a_token_and_a_verification_row_cost() -> None:
     cost = spec_decode.StepCost()
-    assert cost.worth(0.01, 8)  # nothing learned yet: try
-    for tokens in [8, 48, 20, 8, 33, 8, 40, 12] * 3:
-        cost.observe(tokens, 0.0145 + 0.0034 * tokens)
+    assert cost.worth(0.01, 8, 5)  # nothing learned yet: try
+    for tokens, rows in [(8, 0), (48, 8), (20, 3), (8, 0), (33, 5), (8, 1), (40, 6),
+                         (12, 0), (200, 0)] * 3:
+        cost.observe(tokens, rows, 0.0145 + 0.0034 * tokens + 0.0035 * rows)
     fitted = cost.fit()
     assert fitted is not None
-    a, b = fitted
-    assert abs(a - 0.0145) < 1e-6 and abs(b - 0.0034) < 1e-6
-    # one decode: a token costs 17.9 ms plainly, a draft 3.4 ms: worth it from ~19% kept
-    assert cost.worth(0.25, 1) and not cost.worth(0.15, 1)
-    # eight decodes: 5.2 ms a token plainly: worth it only from ~65% kept
-    assert cost.worth(0.75, 8) and not cost.worth(0.6, 8)
+    assert all(abs(x - y) < 1e-6 for x, y in zip(fitted, (0.0145, 0.0034, 0.0035),
+                                                 strict=True))
+    # one decode: a token costs 17.9 ms plainly; 5 drafts cost 3.5 + 17 ms
+    assert cost.worth(0.3, 1, 5) and not cost.worth(0.2, 1, 5)
+    # eight decodes: 5.2 ms a token plainly: 5 drafts pay only when most are kept
+    assert cost.worth(0.9, 8, 5) and not cost.worth(0.7, 8, 5)
