@@ -31,3 +31,7 @@ class ForwardBatch:
     groups: tuple[GroupTables, ...]
     logits_indices: torch.Tensor  # [num_outputs] int64: rows whose logits are sampled
     max_position: int = 0  # 1 + the largest position, known on the host (no device sync)
+    # tokens whose K/V are written before attention (verification rows: each of their
+    # queries is served as a decode reading the row's earlier tokens from the cache; safe
+    # by the rings' speculative slack, see block_manager/ring.py)
+    early_writes: torch.Tensor | None = None

@@ -131,6 +131,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         slots: list[list[int]] = [[] for _ in self.rings]
         rows: list[int] = []
+        early: list[int] = []
         for item in scheduled:
             seq, n = item.seq, item.num_new
             start = seq.num_computed
@@ -139,15 +140,28 @@ class ModelRunner:
             # only positions before `start`, and with prefix caching the append may give a
             # ring entry a fresh block (for positions this step writes) while the step's
             # first queries still read the old one.
-            rows.append(self._sync_row(seq.seq_id))
+            row = self._sync_row(seq.seq_id)
             tokens = seq.token_ids[start : start + n - len(item.draft)] + list(item.draft)
             for g, mapping in enumerate(self.kv.append(seq.seq_id, n, tokens,
                                                        drafts=len(item.draft))):
                 slots[g] += mapping
+            if item.draft:
+                # NOTE: a verification row: each of its n queries is served as a decode
+                # (the compiled decode kernel, not a chunk's slower path) reading the row's
+                # earlier tokens from the cache, so they are written first, through the row
+                # as this append left it (an entry may have taken a fresh block; what the
+                # old one held has expired for these queries: the speculative slack).
+                self._sync_row(seq.seq_id)
+                early += range(len(ids), len(ids) + n)
+                rows += [row] * n
+                context += range(start, start + n)
+                starts += range(starts[-1] + 1, starts[-1] + n + 1)
+            else:
+                rows.append(row)
+                context.append(start)
+                starts.append(starts[-1] + n)
             ids += tokens
             positions += range(start, start + n)
-            context.append(start)
-            starts.append(starts[-1] + n)
             if item.samples:  # a verified run: every position's next-token logits
                 logits_rows += range(starts[-1] - 1 - len(item.draft), starts[-1])
         dev = self.device
@@ -167,7 +181,8 @@ class ModelRunner:
             context_lens=torch.tensor(context, dtype=torch.int32).to(dev),
             groups=groups,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
-            max_position=max(context[i] + s.num_new for i, s in enumerate(scheduled)),
+            max_position=max(positions) + 1,
+            early_writes=torch.tensor(early, dtype=torch.int64).to(dev) if early else None,
         )
         return torch.tensor(ids, dtype=torch.int64).to(dev), batch
 

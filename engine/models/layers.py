@@ -179,6 +179,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         tables = batch.groups[self.group]
         key_cache, value_cache = kv_cache
+        if batch.early_writes is not None:
+            first = batch.early_writes
+            kernels.write_kv(k[first], v[first], key_cache, value_cache,
+                             tables.slot_mapping[first])
         out = kernels.paged_attention(
             q, k, v, key_cache, value_cache, tables.block_tables, batch.query_start_loc,
             batch.context_lens, scale=self.scale, sliding_window=self.window,
