@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
 from block_manager.prefix import Hit, PrefixIndex, extend_chain
-from block_manager.ring import overwrites_between
+from block_manager.ring import overwrites_between, recycles_between
 from block_manager.table import SKIP_SLOT, BlockTable
 
 
@@ -296,6 +296,10 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r}: cannot keep {num_tokens} of {end} "
                                f"positions ({verified} verified)")
         for table in state.tables:
+            # the rolled-back positions are counted again when they are stored for real
+            self._recycles -= recycles_between(num_tokens, end, table.block_size,
+                                               table.ring_blocks)
+            self._overwrites -= overwrites_between(num_tokens, end, table.capacity)
             table.num_tokens = num_tokens
         if not self.caching or num_tokens == verified:
             return

@@ -122,10 +122,18 @@ def test_drafts_rejected_at_every_position_change_nothing(
         j = calls[0] % (n + 1)
         return right[:j] + [(t + 1) % 300 + 3 for t in right[j:]]
 
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    monkeypatch.setattr(spec_decode, "propose", lambda *args: [])
+    _, same_rings = _run(checkpoints[family], block_size, params,
+                         enable_prefix_caching=caching, speculative_config=spec)
     monkeypatch.setattr(spec_decode, "propose", oracle)
     on, stats = _run(checkpoints[family], block_size, params, enable_prefix_caching=caching,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": k})
+                     speculative_config=spec)
     assert on == off
+    # the ring's counters roll back with the sequence: the same as decoding one token at a
+    # time on rings of the same length
+    for counter in ("ring_block_recycles", "ring_slot_overwrites"):
+        assert stats[counter] == same_rings[counter], counter
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert all(stats["spec_decode_num_accepted_tokens_per_pos"])  # kept at every position
 
