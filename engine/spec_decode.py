@@ -133,18 +133,24 @@ class StepCost:
         self.decay = decay
         self.gram = np.zeros((3, 3))  # sums of x x^T, x = (1, tokens, rows)
         self.moment = np.zeros(3)  # sums of x t
+        self._fitted: tuple[float, float, float] | None = None
+        self._stale = True  # fitted once per step, not once per drafting sequence
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         x = np.array([1.0, tokens, rows])
         self.gram = (1.0 - self.decay) * self.gram + np.outer(x, x)
         self.moment = (1.0 - self.decay) * self.moment + x * seconds
+        self._stale = True
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c), or None until the steps seen vary enough to tell them apart."""
-        if self.gram[0, 0] < 4 or np.linalg.cond(self.gram) > 1e8:
-            return None
-        a, b, c = np.linalg.solve(self.gram, self.moment)
-        return max(float(a), 0.0), max(float(b), 0.0), max(float(c), 0.0)
+        if self._stale:
+            self._stale = False
+            self._fitted = None
+            if self.gram[0, 0] >= 4 and np.linalg.cond(self.gram) <= 1e8:
+                a, b, c = np.linalg.solve(self.gram, self.moment)
+                self._fitted = max(float(a), 0.0), max(float(b), 0.0), max(float(c), 0.0)
+        return self._fitted
 
     def worth(self, acceptance: float, decodes: int, drafts: int) -> bool:
         """Whether ``drafts`` drafts pay for a sequence whose drafts are kept at

@@ -8,6 +8,8 @@ kernels run under the interpreter; with one, they run for real.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 # NOTE: before torch loads OpenMP (see engine/__init__.py): passive waits keep tests and
 # the servers they start from spinning against each other on a shared machine.
@@ -33,3 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Any]]:
+    """Register `engine.LLM`s here; after the test each must have missed no ring read,
+    preempted nothing and given every block back."""
+    made: list[Any] = []
+    yield made
+    for llm in made:
+        stats = llm.stats()
+        assert stats["kv_read_misses"] == 0 and stats["num_preemptions"] == 0
+        assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0

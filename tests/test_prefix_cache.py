@@ -9,13 +9,11 @@ it is checked against transformers in tests/test_engine.py.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import W, make_checkpoint, random_tokens
+from tests.tiny_models import W, make_checkpoint, make_llm, random_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 FAMILIES = ["mistral", "gemma3_text", "llama"]  # sliding only, mixed, full only
@@ -25,23 +23,6 @@ FAMILIES = ["mistral", "gemma3_text", "llama"]  # sliding only, mixed, full only
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {family: make_checkpoint(family, root) for family in FAMILIES}
-
-
-def make_llm(path: pathlib.Path, **kwargs: Any) -> LLM:
-    options: dict[str, Any] = dict(dtype="float32", block_size=4, kv_cache_memory="4MiB",
-                                   max_num_seqs=8, max_num_batched_tokens=8, debug_kv=True,
-                                   max_model_len=256)
-    return LLM(str(path), **{**options, **kwargs})
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        stats = llm.stats()
-        assert stats["kv_read_misses"] == 0 and stats["num_preemptions"] == 0
-        assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine import model_runner as runner_module
 from tests.server_utils import Server, run_server
 from tests.test_logits_processors import single_token_word
-from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
+from tests.tiny_models import B, W, hf_reference, make_checkpoint, make_llm, random_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 FAMILIES = ["gemma3_text", "mistral"]  # sliding and full layers; sliding only
@@ -32,23 +32,6 @@ TOL = 1e-4
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {family: make_checkpoint(family, root) for family in FAMILIES}
-
-
-def make_llm(path: pathlib.Path, **kwargs: Any) -> LLM:
-    options: dict[str, Any] = dict(dtype="float32", block_size=B, kv_cache_memory="4MiB",
-                                   max_num_seqs=8, max_num_batched_tokens=8, debug_kv=True,
-                                   max_model_len=256)
-    return LLM(str(path), **{**options, **kwargs})
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        stats = llm.stats()
-        assert stats["kv_read_misses"] == 0 and stats["num_preemptions"] == 0
-        assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
 
 
 def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:

@@ -105,3 +105,14 @@ def hf_reference(path: pathlib.Path) -> Any:
 def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def make_llm(path: pathlib.Path, **kwargs: Any) -> Any:
+    """An `engine.LLM` on a tiny checkpoint: float32, b = `B`, 8 tokens a step (prompts
+    come in several chunks), every ring read checked (``debug_kv``)."""
+    from engine import LLM
+
+    options: dict[str, Any] = dict(dtype="float32", block_size=B, kv_cache_memory="4MiB",
+                                   max_num_seqs=8, max_num_batched_tokens=8, debug_kv=True,
+                                   max_model_len=256)
+    return LLM(str(path), **{**options, **kwargs})
