@@ -103,6 +103,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self.accepting = True
+        self._aborting = False  # abort_all() ran: what arrives later is aborted on arrival
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ringserve-engine", daemon=True)
@@ -176,6 +177,18 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Refuse new requests and abort every one queued or running (the end of a drain):
+        each stream gets its final delta, finish_reason "abort"; the blocks go back."""
+        self.accepting = False
+        self._inbox.put(("abort_all", None))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        """Requests the engine holds (waiting or running) plus those not yet taken in."""
+        return len(self.engine.requests) + self._inbox.qsize()
+
     @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._inbox.qsize()
@@ -213,6 +226,13 @@ class AsyncLLM:
                     self.engine.add(payload)
                 except InvalidRequestError as err:
                     self._send(payload.request_id, err)
+                    continue
+                if self._aborting:
+                    self._publish_abort(payload.request_id)
+            elif kind == "abort_all":
+                self._aborting = True
+                for request_id in list(self.engine.requests):
+                    self._publish_abort(request_id)
             else:
                 self._publish_abort(payload)
 

@@ -42,7 +42,8 @@ def _start_engine(state: ServerState) -> None:
                        on_delta=state.metrics.on_delta)
         llm.start()
         state.llm = llm
-        state.phase = Phase.READY
+        if state.phase is Phase.STARTING:  # not when a SIGTERM came during the load
+            state.phase = Phase.READY
         logger.info("ready: serving %r", state.model_name)
     except Exception as err:
         logger.exception("the engine failed to start")
@@ -60,10 +61,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         state.phase = Phase.STOPPING
-        await asyncio.get_running_loop().run_in_executor(None, loader.join)
+        # NOTE: a stop during a first start's conversion does not wait for it (bounded);
+        # the loader is a daemon thread and goes with the process.
+        await asyncio.get_running_loop().run_in_executor(
+            None, loader.join, state.args.shutdown_timeout)
         if state.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.llm.shutdown)
-        logger.info("stopped")
+            kv = state.llm.engine.kv.stats()
+            logger.info("stopped: %d KV blocks in use, %d read misses", kv.blocks_used,
+                        kv.read_misses)
+        else:
+            logger.info("stopped")
 
 
 class BodyLimit:

@@ -8,13 +8,16 @@ import importlib.resources
 import logging
 import signal
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
 import uvicorn
 import yaml
 
-from server.state import ServeArgs
+from server.state import Phase, ServeArgs, ServerState
+
+logger = logging.getLogger("ringserve.server")
 
 FLAGS: list[tuple[str, type, str]] = [
     ("model", str, "preset name, HF folder or .gguf file"),
@@ -32,6 +35,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-waiting", int, "waiting sequences before 429"),
     ("api-key", str, "require 'Authorization: Bearer KEY' on /v1 routes"),
     ("log-level", str, "debug, info, warning or error"),
+    ("shutdown-timeout", float, "seconds a SIGTERM lets running requests finish before "
+     "the rest are aborted"),
 ]
 
 
@@ -87,28 +92,69 @@ def _serve_args(ns: argparse.Namespace) -> ServeArgs:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process dies of the
-    signal; a requested stop that went well should exit 0 (what orchestrators and
-    `docker stop` expect), so SIGTERM is not re-raised."""
+    """uvicorn with a bounded drain.
+
+    On the first SIGTERM (or SIGINT) the listener closes (new connections are refused),
+    requests that reach an open connection get 503 with Retry-After, and the running ones
+    finish for up to ``shutdown_timeout`` seconds; then the rest are aborted (streams end
+    with finish_reason "abort", blocks go back), their responses go out and the process
+    exits 0. A second signal aborts everything and exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self._deadline: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            logger.warning("second signal: aborting every request and exiting now")
+            self._abort_all()
+            self.force_exit = True
+        else:
+            self._begin_drain()
         super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:
-            # NOTE: uvicorn's private list of signals to re-raise after shutdown.
-            self._captured_signals = [s for s in self._captured_signals if s != sig]
+        # NOTE: uvicorn re-raises the signal after its shutdown (the process would die of
+        # it); a requested stop that went well exits 0, which orchestrators expect.
+        self._captured_signals = [s for s in self._captured_signals
+                                  if s not in (signal.SIGTERM, signal.SIGINT)]
+
+    def _begin_drain(self) -> None:
+        self.state.phase = Phase.STOPPING
+        llm = self.state.llm
+        running = llm.num_running if llm is not None else 0
+        logger.info("draining: %d request(s) in flight get up to %g s to finish",
+                    running, self.shutdown_timeout)
+        self._deadline = threading.Timer(self.shutdown_timeout, self._abort_all)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _abort_all(self) -> None:
+        llm = self.state.llm
+        if llm is not None and llm.num_running:
+            logger.warning("drain timeout: aborting %d request(s)", llm.num_running)
+        if llm is not None:
+            llm.abort_all()
 
 
 def serve(ns: argparse.Namespace) -> int:
     from server.app import create_app
 
     args = _serve_args(ns)
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
     url = f"http://{args.host}:{args.port}"
     print(f"ringserve: loading {args.model}; serving on {url} (GET {url}/health says when "
           f"ready). Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'", flush=True)
-    config = uvicorn.Config(create_app(args), host=args.host, port=args.port,
-                            log_level=args.log_level.lower(), timeout_graceful_shutdown=30)
-    GracefulServer(config).run()
+    app = create_app(args)
+    # NOTE: uvicorn's own bound is a backstop only: at shutdown_timeout the requests are
+    # aborted and their last chunks written; cancelling a connection would cut them off.
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+    GracefulServer(config, app.state.server, args.shutdown_timeout).run()
     return 0
 
 

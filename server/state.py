@@ -36,6 +36,7 @@ class ServeArgs:
     max_waiting: int | None = 256
     api_key: str | None = None
     log_level: str = "info"
+    shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 * 2**20
     enable_prefix_caching: bool = True
     tool_call_parser: str | None = "hermes"
@@ -70,6 +71,9 @@ class ServerState:
 
         if self.phase is not Phase.READY or self.llm is None:
             detail = f": {self.error}" if self.error else ""
+            # NOTE: a stopping replica's clients (or nginx) should go elsewhere at once.
+            retry = {Phase.STARTING: "10", Phase.STOPPING: "1"}.get(self.phase)
             raise APIError(503, f"the server is {self.phase.value}{detail}",
-                           code="server_not_ready")
+                           code="server_not_ready",
+                           headers={"Retry-After": retry} if retry else None)
         return self.llm
