@@ -169,8 +169,10 @@ class Sampler:
             row = weights[where[i]][None].clone()
             self.structured.apply(row, bitmask, [0], fill=0.0)
             return int(inverse_cdf(row, self._uniforms([seq]))[0])
+        # NOTE: a copy: ``logits`` is the model's (an inference tensor, and the source of
+        # the logprobs), never masked in place.
         row = (processed[where[i]][None] if i in where and processed is not None
-               else logits[i][None].float())
+               else logits[i][None].to(torch.float32, copy=True))
         self.structured.apply(row, bitmask, [0])
         return int(row.max(dim=-1).indices[0])
 

@@ -234,8 +234,11 @@ def test_lazy_greedy_equals_masking_first() -> None:
     logits[::2] += 5.0 * ~allowed[::2]  # even rows: the best token is refused
     logits[1::4, :] = 0.0  # ties everywhere: the first allowed token
     expected = logits.masked_fill(~allowed, float("-inf")).max(dim=-1).indices
-    tokens, _ = Sampler(structured=so)(logits.clone(), seqs)
+    with torch.inference_mode():  # the model's logits are inference tensors
+        model_logits = logits.clone()
+    tokens, _ = Sampler(structured=so)(model_logits, seqs)
     assert tokens == expected.tolist()
+    assert torch.equal(model_logits, logits)  # masked in a copy: the logprobs' source stays
 
 
 @pytest.mark.parametrize("top_k", [0, 2])
