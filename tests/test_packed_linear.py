@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from engine.loading import load_model
-from engine.models.packed_linear import PackedLinear, can_pack, fuse_projections, pack_linears
+from engine.models.packed_linear import (
+    PackedLinear,
+    bucket_rows,
+    can_pack,
+    fuse_projections,
+    pack_linears,
+)
 from kernels import cpu_gemm
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import FAMILIES, B, W, make_checkpoint, random_tokens
@@ -29,7 +35,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.P
     return {family: make_checkpoint(family, root) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (4,), (5,), (2, 3), (9,)], ids=str)
+@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (4,), (5,), (2, 3), (9,), (64,), (65,),
+                                   (3, 50), (300,)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> None:
     torch.manual_seed(0)
@@ -43,6 +50,18 @@ def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> No
     # bf16 output: one rounding of a float32 accumulation (8 mantissa bits)
     torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-3)
     assert packed.small == cpu_gemm.supports(linear.weight)
+
+
+def test_row_buckets_are_few_and_pad_little() -> None:
+    """oneDNN compiles (and caches) a kernel per row count: a server's every batch size
+    must map onto few of them, each padding by at most 1/8 past 64 rows."""
+    sizes = range(1, 4097)
+    buckets = [bucket_rows(m) for m in sizes]
+    assert all(b >= m for m, b in zip(sizes, buckets, strict=True))
+    assert buckets == sorted(buckets)  # more rows never run at a smaller size
+    assert all(b - m <= m / 8 for m, b in zip(sizes, buckets, strict=True) if m > 64)
+    assert all(bucket_rows(b) == b for b in buckets)  # a bucket is its own size
+    assert len(set(buckets)) <= 60
 
 
 @pytest.mark.parametrize("k", [640, 96, 100, 7], ids=lambda k: f"k{k}")
