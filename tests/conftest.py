@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        # NOTE: the marker, not the keyword: a parametrize id "gpu" is a keyword too.
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
 
 
