@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# a seed is a signed 64-bit integer (as vLLM's): torch.Generator.manual_seed takes
+# [-2**63, 2**64), and the sampler seeds continuation i with seed + i
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The least temperature and repetition penalty used (smaller positive ones are raised to
+# it, as vLLM does for temperature): logits are divided by them, and a float32 logit
+# divided by 1e-38 is infinite, which leaves the sampler no finite weight to draw from.
+MIN_DIVISOR = 1e-2
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(s: Any) -> bool:
+    """A non-empty str that is valid Unicode (no lone surrogate: it has no UTF-8 and no
+    tokenizer takes it)."""
+    return isinstance(s, str) and bool(s) and _SURROGATE.search(s) is None
 
 
 @dataclass(kw_only=True)
@@ -53,7 +69,8 @@ class SamplingParams:
     Args:
         n: continuations per prompt.
         max_tokens: tokens to generate at most; None = until ``max_model_len``.
-        temperature: 0 = greedy; otherwise logits are divided by it.
+        temperature: 0 = greedy; otherwise logits are divided by it (one under
+            `MIN_DIVISOR` is taken as `MIN_DIVISOR`, as vLLM does).
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 = all.
         seed: makes sampling reproducible per request.
@@ -66,7 +83,8 @@ class SamplingParams:
         presence_penalty: OpenAI's: subtracted once from a token generated before, [-2, 2].
         frequency_penalty: OpenAI's: subtracted per time a token was generated, [-2, 2].
         repetition_penalty: vLLM's (transformers'): a token seen in the prompt or output
-            has a positive logit divided by it, a negative one multiplied; 1 = off.
+            has a positive logit divided by it, a negative one multiplied; 1 = off (one
+            under `MIN_DIVISOR` is taken as `MIN_DIVISOR`).
         logit_bias: token id -> added to its logit, [-100, 100].
         min_p: drop tokens under this fraction of the likeliest one's probability.
         min_tokens: end-of-sequence and stop token ids are masked until this many tokens.
@@ -108,13 +126,17 @@ class SamplingParams:
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0.0,
+             "must be a finite number >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1, 0 or >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop),
-             "must be non-empty strings"),
+            ("seed", self.seed is None or (isinstance(self.seed, int)
+                                           and SEED_MIN <= self.seed <= SEED_MAX),
+             f"must be an integer in [{SEED_MIN}, {SEED_MAX}]"),
+            ("stop", all(_text(s) for s in self.stop),
+             "must be non-empty strings of valid Unicode"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be token ids >= 0"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
@@ -128,8 +150,8 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0 and (
                 self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be >= 0 and <= max_tokens"),
-            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words or []),
-             "must be non-blank strings"),
+            ("bad_words", all(_text(w) and w.strip() for w in self.bad_words or []),
+             "must be non-blank strings of valid Unicode"),
             ("prompt_logprobs", self.prompt_logprobs is None
              or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
         ]
@@ -137,6 +159,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}",
                                           param=name)
+        if 0.0 < self.temperature < MIN_DIVISOR:
+            self.temperature = MIN_DIVISOR
+        self.repetition_penalty = max(self.repetition_penalty, MIN_DIVISOR)
 
     @property
     def has_penalties(self) -> bool:

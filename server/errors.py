@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine import EngineDeadError, InvalidRequestError
 from engine.async_llm import QueueFullError
 from engine.loading import ModelLoadError
-from server.protocol import NEUTRAL_ONLY, UnsupportedFieldError
+from server.protocol import NEUTRAL_ONLY, FieldError
 
 logger = logging.getLogger("ringserve.server")
 
@@ -33,10 +33,17 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _encodable(text: str | None) -> str | None:
+    """``text`` with any lone surrogate written as its escape: a message may quote the input,
+    and a JSON body is encoded as UTF-8, which has no surrogates."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _encodable(message),
+                      "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -52,8 +59,8 @@ def to_api_error(err: BaseException) -> APIError:
         return err
     if isinstance(err, InvalidRequestError):
         return APIError(400, str(err), param=err.param)
-    if isinstance(err, UnsupportedFieldError):
-        return APIError(400, str(err), param=err.field, code="unsupported_parameter")
+    if isinstance(err, FieldError):
+        return APIError(400, str(err), param=err.field, code=err.code)
     if isinstance(err, QueueFullError):
         return APIError(429, str(err), code="queue_full")
     if isinstance(err, EngineDeadError):
@@ -84,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_param(errors) if errors else ("invalid request", None)
         for err in errors:  # a ValueError raised by a validator may carry its own field
             ctx = err.get("ctx") or {}
-            if isinstance(ctx.get("error"), UnsupportedFieldError):
+            if isinstance(ctx.get("error"), FieldError):
                 api = to_api_error(ctx["error"])
                 return error_response(api.status, api.message, api.param, api.code)
         return error_response(400, message, param)
@@ -103,7 +110,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     # NOTE: one handler per known type: a handler for bare Exception runs inside
     # Starlette's ServerErrorMiddleware, which logs and re-raises even after answering.
-    for kind in (InvalidRequestError, UnsupportedFieldError, QueueFullError, EngineDeadError,
+    for kind in (InvalidRequestError, FieldError, QueueFullError, EngineDeadError,
                  ModelLoadError):
         app.add_exception_handler(kind, _known)
     app.add_exception_handler(Exception, _known)

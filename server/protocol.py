@@ -7,6 +7,8 @@ the field named, never silently ignored.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from typing import Any, Literal
 
@@ -22,17 +24,124 @@ from pydantic import (
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A part of a request: unknown fields refused, and NaN/Infinity in any float field."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FieldError(ValueError):
+    """A refusal that names its field (OpenAI's ``param``), from a validator that sees more
+    than one field (pydantic's own location would name the model, not the field)."""
+
+    code: str | None = None
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnsupportedFieldError(FieldError):
+    code = "unsupported_parameter"
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(field, f"{field} {why}")
+
+
+# -- what any JSON value of a request must be ------------------------------------------
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 64
+"""Nesting deeper than this is refused anywhere in a body (a JSON schema of tools or
+response_format is the deepest a real client sends, a few levels): deeper values would
+reach recursive code (json.dumps, jsonschema, xgrammar) past its limits."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else (
+        f"an integer of {len(str(abs(value)))} digits")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def json_value_problem(value: Any, root: str = "") -> tuple[str | None, str] | None:
+    """The first problem (field path, message) of a parsed JSON value, in document order,
+    or None. A body is refused when it holds anything the server could not honour or
+    encode again as it got it:
+
+    - text with a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape parses to one; no
+      tokenizer, template or UTF-8 encoder accepts it),
+    - an integer outside the signed 64-bit range (every integer field is one of torch's
+      int64s or smaller: seed, token ids, counts),
+    - NaN or +-Infinity (Python's parser reads the ``NaN``/``Infinity`` literals that JSON
+      does not have, and ``1e999`` as infinity),
+    - nesting deeper than `MAX_JSON_DEPTH`.
+
+    Paths are pydantic's locations joined by dots (``messages.0.content``); the body's
+    top level is ``None``. The walk is iterative, so any depth the JSON parser allowed
+    is safe to look at.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, root, 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        where = path or "body"
+        if isinstance(v, str):
+            bad = _SURROGATE.search(v)
+            if bad is not None:
+                return path or None, (
+                    f"{where}: lone UTF-16 surrogate U+{ord(bad.group()):04X} at index "
+                    f"{bad.start()} is not valid Unicode text (a character outside the Basic "
+                    "Multilingual Plane is written as a high and low surrogate pair)")
+        elif isinstance(v, bool) or v is None:
+            continue
+        elif isinstance(v, int):
+            if not INT64_MIN <= v <= INT64_MAX:
+                return path or None, (
+                    f"{where}: {_show(v)} is out of range; integers must fit in a signed "
+                    f"64-bit integer, [{INT64_MIN}, {INT64_MAX}]")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                shown = "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
+                return path or None, (
+                    f"{where}: {shown} is not a JSON number (NaN and Infinity are refused, "
+                    "and so are numbers too large for a double)")
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                return path or None, f"{where}: nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(v, list) and _plain_ints(v):
+                continue  # a list of token ids: checked at C speed
+            items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+            for key, _ in items:
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return path or None, (
+                        f"{where}: the key {_show(key)} holds a lone UTF-16 surrogate, "
+                        "which is not valid Unicode text")
+            stack.extend((item, f"{path}.{key}" if path else str(key), depth + 1)
+                         for key, item in reversed(items))
+    return None
+
+
+def _plain_ints(values: list[Any]) -> bool:
+    """True when ``values`` are all ints (not bools) in int64's range."""
+    return (all(type(x) is int for x in values)
+            and (not values or (min(values) >= INT64_MIN and max(values) <= INT64_MAX)))
+
+
+class RequestModel(StrictModel):
+    """A whole request body: its JSON values are checked once, before any field, by
+    `json_value_problem` (a 400 naming the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_values(cls, data: Any) -> Any:
+        problem = json_value_problem(data)
+        if problem is not None:
+            raise FieldError(*problem)
+        return data
 
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
-
-
-class UnsupportedFieldError(ValueError):
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field} {why}")
-        self.field = field
 
 
 # Fields OpenAI defines that ringserve accepts only at their neutral value (0, empty).
@@ -72,10 +181,12 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Fields shared by both endpoints; vLLM's extras (top_k, ignore_eos, ...) at the end."""
 
-    seed: StrictInt | None = None
+    # a signed 64-bit integer, as vLLM's: torch.Generator.manual_seed takes
+    # [-2**63, 2**64), and the sampler seeds choice i with seed + i
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Stop = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -100,8 +211,9 @@ class SamplingFields(StrictModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # NOTE: ASCII digits only: str.isdigit() also takes "²", which int() refuses
+            if not _TOKEN_ID.fullmatch(key) or int(key) > INT64_MAX:
+                raise ValueError(f"logit_bias keys are token ids, got {_show(key)}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
         return v
@@ -113,6 +225,9 @@ class SamplingFields(StrictModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
+
+
+_TOKEN_ID = re.compile("[0-9]{1,19}")
 
 
 class CompletionRequest(SamplingFields):
@@ -219,7 +334,7 @@ class ChatCompletionRequest(SamplingFields):
             raise UnsupportedFieldError("top_logprobs", "needs logprobs: true")
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -227,7 +342,7 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[StrictInt]
 

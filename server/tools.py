@@ -23,7 +23,13 @@ from typing import Any
 
 from engine import StructuredOutputsParams
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+    json_value_problem,
+)
 
 TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -200,10 +206,14 @@ def hermes_system_prompt(tools: Sequence[Tool]) -> str:
 
 
 def _as_object(arguments: str) -> Any:
+    """The arguments as an object for the template, or their text as it came when it is
+    not JSON the server can pass on (a lone surrogate escape, NaN, a number past int64,
+    nesting past the parser's or the template's limits)."""
     try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):  # ValueError: also an int of too many digits
         return arguments
+    return arguments if json_value_problem(value) is not None else value
 
 
 # -- the hermes parser -----------------------------------------------------------------
