@@ -163,15 +163,34 @@ def grafana_to_promql(expr: str, rate_interval: str = "15s") -> str:
 
 # -- nginx --------------------------------------------------------------------------------
 
+UPSTREAM = re.compile(r"^[ \t]*upstream (\S+) \{\n(.*?)^[ \t]*\}", flags=re.M | re.S)
+SERVER = re.compile(r"^[ \t]*server (\S+:8000)((?: [^;\n]*)?);\n", flags=re.M)
+
+
 def nginx_conf(upstreams: list[str], port: int) -> str:
-    """docker/nginx.conf with its upstream servers and its port replaced."""
+    """docker/nginx.conf with its port replaced, and the upstream servers of every upstream
+    block replaced by ``upstreams`` (with the shipped lines' parameters). The blocks must
+    list the same servers: they are pools over the same replicas."""
     text = (DOCKER / "nginx.conf").read_text()
-    servers = re.findall(r"^\s*server \S+:8000( [^;]*)?;$", text, flags=re.M)
-    if len(servers) != 2:
-        raise AssertionError("docker/nginx.conf: expected two upstream `server NAME:8000` lines")
-    params = servers[0]
+    blocks = UPSTREAM.findall(text)
+    if not blocks:
+        raise AssertionError("docker/nginx.conf: no upstream block")
+    lists = {name: SERVER.findall(body) for name, body in blocks}
+    first = next(iter(lists.values()))
+    if len(first) != 2 or any(s != first for s in lists.values()):
+        raise AssertionError(f"docker/nginx.conf: expected the same two upstream "
+                             f"`server NAME:8000` lines in every upstream block: {lists}")
+    params = first[0][1]
+    if any(p != params for _, p in first):
+        raise AssertionError(f"docker/nginx.conf: upstream servers differ in parameters: {first}")
+
     body = "".join(f"        server {u}{params};\n" for u in upstreams)
-    text = re.sub(r"(?:^\s*server \S+:8000[^;]*;\n)+", body, text, flags=re.M)
+
+    def replace(block: re.Match[str]) -> str:
+        new = iter([body])  # the first server line becomes the new list, the others go
+        return SERVER.sub(lambda _: next(new, ""), block.group(0))
+
+    text = UPSTREAM.sub(replace, text)
     text, n = re.subn(r"listen 8080;", f"listen 127.0.0.1:{port};", text)
     if n != 1:
         raise AssertionError("docker/nginx.conf: expected one `listen 8080;`")
@@ -184,14 +203,16 @@ def nginx_cmd(conf: Path, prefix: Path, *extra: str) -> list[str]:
 
 
 @contextmanager
-def run_nginx(upstreams: list[str], tmp: Path) -> Iterator[str]:
-    """nginx in the foreground with the shipped config over ``upstreams``; yields its URL."""
+def run_nginx(upstreams: list[str], tmp: Path, wrap: list[str] | None = None) -> Iterator[str]:
+    """nginx in the foreground with the shipped config over ``upstreams``; yields its URL.
+    ``wrap``: a command prefix to run nginx under (e.g. in a namespace of its own)."""
     port = free_port()
     conf = tmp / "nginx.conf"
     conf.write_text(nginx_conf(upstreams, port))
     log = tmp / "nginx.log"
     cmd = nginx_cmd(conf, tmp)
     cmd[-1] = f"daemon off; {cmd[-1]}"
+    cmd = [*(wrap or []), *cmd]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
 
