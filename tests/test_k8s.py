@@ -34,7 +34,6 @@ from tests.deploy_utils import DOCKER, ROOT, tool
 K8S = DOCKER / "k8s"
 DATA = ROOT / "tests" / "data" / "k8s"
 OVERLAYS = ("cpu", "gpu")
-# NOTE: not the bare names: conftest.py skips every test with a "gpu" keyword without CUDA.
 IDS = [f"overlay-{o}" for o in OVERLAYS]
 # The oldest Kubernetes the manifests need (the preStop `sleep` action is on by default from
 # 1.30) and the newest schemas kubernetes-validate ships.

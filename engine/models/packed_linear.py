@@ -38,17 +38,19 @@ SMALL_ROWS = 4
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count a oneDNN GEMM of ``rows`` rows runs at: multiples of 8 up to 64, then
-    eight buckets per power of two (at most 1/8 padding, ~56 sizes up to 4096 rows).
+    """The row count a oneDNN GEMM of ``rows`` rows runs at: exact up to 32, then eight
+    buckets per power of two (at most 1/8 padding; ~85 sizes up to 4096 rows).
 
     oneDNN JIT-compiles a kernel for every distinct row count (measured: 7 ms for a first
     call against 0.7 ms cached, for a 2048 x 640 weight) and keeps up to 1024 of them,
     ~85 KB each. A server's steps come in every row count, so without buckets each new one
     paid the compile and the cache grew the process by ~100 MB under load (found by
-    tests/test_soak.py), then thrashed once weights x row counts passed 1024.
+    tests/test_soak.py), then thrashed once weights x row counts passed 1024. Small counts
+    stay exact: there the head's GEMM (262144 x 640 for gemma-3) is compute-bound on a few
+    cores, and padding 9 rows to 16 would cost most of a step.
     """
-    if rows <= 64:
-        return (rows + 7) // 8 * 8
+    if rows <= 32:
+        return rows
     step = 1 << (rows.bit_length() - 4)
     return (rows + step - 1) // step * step
 
