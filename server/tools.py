@@ -23,12 +23,12 @@ from typing import Any
 
 from engine import StructuredOutputsParams
 from server.errors import APIError
+from server.json_values import json_value_problem
 from server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
     Tool,
-    json_value_problem,
 )
 
 TOOL_CALL_PARSERS = ("hermes",)
