@@ -18,6 +18,9 @@ import yaml
 from server.state import Phase, ServeArgs, ServerState
 
 logger = logging.getLogger("ringserve.server")
+# Seconds after --shutdown-timeout for the aborted requests' last chunks to go out before
+# uvicorn cancels what is still open: an orchestrator's grace period must cover both.
+ABORT_GRACE_S = 10
 
 FLAGS: list[tuple[str, type, str]] = [
     ("model", str, "preset name, HF folder or .gguf file"),
@@ -153,7 +156,8 @@ def serve(ns: argparse.Namespace) -> int:
     # aborted and their last chunks written; cancelling a connection would cut them off.
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=int(args.shutdown_timeout) + 10)
+                            timeout_graceful_shutdown=int(args.shutdown_timeout)
+                            + ABORT_GRACE_S)
     GracefulServer(config, app.state.server, args.shutdown_timeout).run()
     return 0
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from server import metrics
+from server.cli import ABORT_GRACE_S, defaults
 from tests.deploy_utils import (
     DASHBOARD,
     DOCKER,
@@ -50,6 +51,18 @@ def test_compose_validates(profile: str | None, gpu: bool) -> None:
     files = (COMPOSE, GPU) if gpu else (COMPOSE,)
     prof = ("--profile", profile) if profile else ()
     compose(*prof, "config", "-q", files=files)
+
+
+def test_compose_stop_grace_covers_the_drain() -> None:
+    """docker stop's SIGKILL must come after the server's drain and its aborts' last chunks
+    (the compose command leaves --shutdown-timeout at its default)."""
+    config: dict[str, Any] = yaml.safe_load(compose("--profile", "scale", "config"))
+    shutdown = float(defaults()["shutdown_timeout"])
+    for name in ("ringserve", "ringserve-replica"):
+        service = config["services"][name]
+        assert "--shutdown-timeout" not in service["command"]
+        grace = re.fullmatch(r"(\d+)s", str(service["stop_grace_period"]))
+        assert grace is not None and int(grace[1]) > shutdown + ABORT_GRACE_S
 
 
 def test_compose_profiles_and_mounts() -> None:

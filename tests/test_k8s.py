@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 
 from server import metrics
 from server.app import create_app
-from server.cli import build_parser
+from server.cli import ABORT_GRACE_S, build_parser
 from server.state import ServeArgs
 from tests.deploy_utils import DOCKER, ROOT, tool
 
@@ -335,8 +335,9 @@ def test_drain_fits_the_grace_period(overlay: str) -> None:
         sleep = float(command[1])
     assert sleep >= 2, "endpoints need a moment to leave the Services and the Ingress"
     drain = sleep + shutdown
-    # SIGTERM comes after preStop; the server then needs up to --shutdown-timeout.
-    assert pod["terminationGracePeriodSeconds"] > drain
+    # SIGTERM comes after preStop; the server then needs up to --shutdown-timeout, and up to
+    # ABORT_GRACE_S more to write out the responses it aborted.
+    assert pod["terminationGracePeriodSeconds"] > drain + ABORT_GRACE_S
     # A probe that fails during the drain must not get the pod killed before it ends.
     live = c["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > drain
