@@ -271,6 +271,12 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer takes it
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text: {err.reason} at index {err.start}",
+                    param="prompt") from None
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

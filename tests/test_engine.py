@@ -184,6 +184,20 @@ def test_request_that_can_never_fit_is_refused_with_numbers(
     assert len(out[0].outputs[0].token_ids) == 190
 
 
+def test_a_prompt_that_is_not_unicode_text_is_refused(gemma: pathlib.Path,
+                                                      check_clean: list[LLM]) -> None:
+    """A lone UTF-16 surrogate (what JSON's "\\ud800" parses to) is no text a tokenizer
+    takes: the offline API refuses it naming the prompt, as the server does."""
+    llm = make_llm(gemma)
+    check_clean.append(llm)
+    for prompt in ("abc\ud800", {"prompt": "\udfff"}):
+        with pytest.raises(InvalidRequestError) as err:
+            llm.generate(prompt, SamplingParams(max_tokens=2, **GREEDY))
+        assert err.value.param == "prompt" and "index" in str(err.value)
+    out = llm.generate("abc\U0001F600", SamplingParams(max_tokens=2, **GREEDY))  # a pair is fine
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_a_pool_smaller_than_one_sequence_fails_at_start(mistral: pathlib.Path) -> None:
     # An all-sliding model needs one ring however long it runs; less than that serves no one.
     with pytest.raises(InvalidRequestError) as err:
