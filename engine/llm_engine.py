@@ -16,6 +16,7 @@ from typing import Any
 from block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
 from engine import spec_decode
 from engine.config import EngineConfig
+from engine.cpu_threads import apply_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
@@ -28,10 +29,16 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import PromptLogprob, Sequence, SequenceStatus
 from engine.spec_decode import SpeculativeConfig
-from engine.startup import describe, kv_memory_bytes, pick_device, pick_dtype
+from engine.startup import (
+    describe,
+    describe_cpu_kernels,
+    kv_memory_bytes,
+    pick_device,
+    pick_dtype,
+)
 from engine.stopping import append_token
 from engine.structured_output import StructuredOutputs
-from kernels import cpu_build
+from kernels import cpu_build, cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -44,6 +51,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
+        if self.device.type == "cpu":
+            try:
+                cpu_isa.info()
+                apply_threads()
+            except ValueError as err:  # RINGSERVE_CPU_ISA or RINGSERVE_NUM_THREADS
+                raise InvalidRequestError(str(err), param="environment") from None
         resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_name = resolved.name
         hf_config = load_hf_config(resolved.path)
@@ -59,6 +72,8 @@ class LLMEngine:
                                 hf_config=hf_config, quantization=self.quantization)
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
+        if self.device.type == "cpu":
+            logger.info("%s", describe_cpu_kernels(self.model, self.dtype))
         mcfg = self.model.config
         self.max_model_len = config.max_model_len or int(hf_config.max_position_embeddings)
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)

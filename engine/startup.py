@@ -10,6 +10,7 @@ from block_manager import KVCacheSpec, parse_size
 from engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.loading import parse_dtype
+from kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -26,18 +27,25 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def cpu_bf16_units() -> list[str]:
-    """The bf16 matmul units of this CPU that oneDNN uses: "AMX-BF16", "AVX512-BF16"."""
+    """The bf16 matmul units of this CPU that oneDNN uses: "AMX-BF16", "AVX512-BF16"; none
+    where RINGSERVE_CPU_ISA caps the class below them (`kernels.cpu_isa`)."""
+    if not cpu_isa.bf16_arithmetic():
+        return []
     probes = (("AMX-BF16", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     # NOTE: torch.cpu's probes are private; a torch without them reports no unit (float32).
-    return [unit for unit, probe in probes if getattr(torch.cpu, probe, lambda: False)()]
+    units = [unit for unit, probe in probes if getattr(torch.cpu, probe, lambda: False)()]
+    return [u for u in units if u != "AMX-BF16" or cpu_isa.info().at_least("amx")]
 
 
 def pick_dtype(name: str, device: torch.device, hf_config: object) -> tuple[torch.dtype, str]:
     """The model's dtype and, for the start-up log, why.
 
     "auto" on the CPU is bfloat16 where the CPU multiplies bf16 in hardware (AMX or
-    AVX512-BF16, as vLLM's CPU build chooses) and float32 elsewhere, where bf16 matmuls are
-    emulated and slower than float32. On CUDA "auto" is the checkpoint's own dtype.
+    AVX512-BF16, as vLLM's CPU build chooses) and float32 elsewhere, where bf16 arithmetic
+    is emulated: there activations stay float32 while compact weights (a GGUF model's
+    blocks, `engine.loading.quantize`) are widened in registers. "bfloat16" is served on
+    every CPU (bf16 storage; float32 arithmetic where the CPU has no bf16 units). On CUDA
+    "auto" is the checkpoint's own dtype.
 
     Raises:
         InvalidRequestError: an unknown dtype name, naming the parameter.
@@ -84,3 +92,34 @@ def describe(spec: KVCacheSpec, num_blocks: int, memory: int) -> str:
     """The KV pool in one line for the start-up log."""
     used = num_blocks * spec.block_bytes
     return f"KV cache: {used / 2**20:.1f} MiB of {memory / 2**20:.1f} MiB budget"
+
+
+def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """The CPU class and the path each kind of layer took, for the start-up log."""
+    from engine.models.packed_linear import CompactLinear, PackedLinear
+    from engine.models.quant_linear import QuantLinear
+    from kernels import cpu_build
+
+    info = cpu_isa.info()
+    built = cpu_build.available()
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            name = "oneDNN packed bf16" + (" (+ dpbf16 GEMV)" if module.small else "")
+        elif isinstance(module, CompactLinear):
+            name = "compact bf16, float32 FMA"
+        elif isinstance(module, QuantLinear):
+            if not module.kernel:
+                name = f"int{module.bits} widened every call (no kernel)"
+            elif dtype == torch.bfloat16 and info.variant == "avx512_bf16":
+                name = f"int{module.bits} dpbf16"
+            else:
+                name = f"int{module.bits} float32 FMA"
+        elif type(module) is torch.nn.Linear:
+            name = f"torch {str(dtype).removeprefix('torch.')} F.linear"
+        else:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    linears = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+    kernels = f"{info.variant} kernels" if built else "no compiled kernels (torch paths)"
+    return f"{info.describe()}; {kernels}; linears: {linears}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available
+from kernels.cpu_build import available, ops
 from kernels.reference import Batch, prefill_row
 from kernels.torch_plan import step_plan
 
@@ -59,7 +59,7 @@ def paged_attention_cpu(
         prefill_row(args, row, result)
     seqs, tokens, ctxs = plan.decode_index
     if seqs.numel():
-        torch.ops.ringserve.paged_decode(
+        ops().paged_decode(
             query.contiguous(), key.contiguous(), value.contiguous(), key_cache.contiguous(),
             value_cache.contiguous(), block_tables.to(torch.int32).contiguous(), seqs, tokens,
             ctxs, result, scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0,

@@ -1,9 +1,15 @@
-"""Build the CPU kernels (`kernels/csrc/*.cpp`) with the machine's own C++ compiler, once.
+"""Build the CPU kernels (`kernels/csrc/*.cpp`) with the machine's own C++ compiler, once per
+variant.
 
-The build (about 15-60 s) lands in torch's extension cache (TORCH_EXTENSIONS_DIR), keyed by
-the sources, the flags and this CPU's features, and is loaded from there afterwards. Where
-it cannot be built (no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is set, `available()`
-is False and every caller keeps its torch path.
+Each variant (`kernels.cpu_isa`) is one library compiled from the same sources with
+explicit target flags and its own op namespace, ``torch.ops.ringserve_<variant>``, so
+several variants load side by side in one process (tests compare them). The process serves
+with the variant of its CPU class; `ops()` returns that namespace.
+
+A build (about 15-60 s) lands in torch's extension cache (TORCH_EXTENSIONS_DIR), keyed by
+the sources and the flags, and is loaded from there afterwards. Where it cannot be built
+(no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is set, `available()` is False and every
+caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -11,52 +17,81 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.kernels")
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
+# NOTE: explicit targets, not -march=native: a build for one variant runs on every CPU of
+# that class, and a bigger CPU can build (and test) the smaller variants. x86-64-v3 is
+# AVX2 + FMA + F16C (+ BMI/LZCNT/MOVBE); "portable" is the compiler's default target (SSE2 on
+# x86-64, the base ISA on aarch64), which our code reaches through GCC vector types only.
+_X86_V3 = ["-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt"]
+_AVX512 = [*_X86_V3, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+           "-mprefer-vector-width=512"]  # fmt: skip
+FLAGS: dict[str, list[str]] = {
+    "portable": [],
+    "avx2": _X86_V3,
+    "avx512": _AVX512,
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+}
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: a build made for another CPU is not reused."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")  # fmt: skip
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+def _flags(variant: str) -> list[str]:
+    if variant != "portable" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"kernel variant {variant} is x86-64 only")
+    # NOTE: -fopenmp so ATen's inline parallel_for really runs in parallel; the OpenMP
+    # calls resolve to torch's own runtime when the library loads.
+    # NOTE: torch keys its build cache by the .cpp sources and the flags; the hash of every
+    # file (headers too) in the flags makes a changed header rebuild.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()
+    return ["-O3", "-fopenmp", *FLAGS[variant], f"-DRINGSERVE_NS=ringserve_{variant}",
+            f"-DRINGSERVE_SOURCES={digest[:12]}"]
 
 
-def available() -> bool:
-    """Whether the compiled CPU ops (`torch.ops.ringserve.*`) are loaded; builds them once."""
-    if "ok" in _state:
-        return _state["ok"]
+def available(variant: str | None = None) -> bool:
+    """Whether the compiled CPU ops of ``variant`` (default: this CPU class's) are loaded;
+    builds them once."""
+    variant = variant or cpu_isa.info().variant
+    if variant in _state:
+        return _state[variant]
     with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _build()
-    return _state["ok"]
+        if variant not in _state:
+            _state[variant] = _build(variant)
+    return _state[variant]
 
 
-def _build() -> bool:
+def ops(variant: str | None = None) -> Any:
+    """``torch.ops.ringserve_<variant>``: the ops of ``variant`` (default: this CPU's).
+    Callers check `available()` first."""
+    return getattr(torch.ops, f"ringserve_{variant or cpu_isa.info().variant}")
+
+
+def _build(variant: str) -> bool:
     if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (RINGSERVE_CPU_KERNELS=0): torch paths")
         return False
-    logger.info("loading the CPU kernels (built once per machine and source: 15-60 s)")
+    logger.info("loading the %s CPU kernels (built once per machine and source: 15-60 s)",
+                variant)  # fmt: skip
     try:
         from torch.utils.cpp_extension import load
 
-        # NOTE: -fopenmp so ATen's inline parallel_for really runs in parallel; the OpenMP
-        # calls resolve to torch's own runtime when the library loads.
-        load(name=f"ringserve_cpu_{_cpu_tag()}", sources=[str(p) for p in _SOURCES],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
-             verbose=False)  # fmt: skip
+        load(name=f"ringserve_{variant}", sources=[str(p) for p in _SOURCES],
+             extra_cflags=_flags(variant), is_python_module=False, verbose=False)  # fmt: skip
     except Exception as err:  # no compiler, no ninja, a build error: serve with torch
         lines = str(err).strip().splitlines()
-        logger.warning("CPU kernels unavailable, using the torch paths: %s",
-                       lines[-1] if lines else repr(err))
+        logger.warning("%s CPU kernels unavailable, using the torch paths: %s", variant,
+                       lines[-1] if lines else repr(err))  # fmt: skip
         return False
     return True

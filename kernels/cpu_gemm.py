@@ -1,21 +1,32 @@
-"""A few rows times a bf16 weight, at memory speed: the decode step's GEMV on the CPU.
+"""A few rows times a bf16 weight at memory speed, and bf16 weights on CPUs without bf16
+arithmetic.
 
-`csrc/small_gemm.cpp` streams each weight row once and dots it with every input row
-(AVX512-BF16's dpbf16: exact products, float32 sums, one bf16 rounding).
+Two compiled paths (`kernels/csrc`):
+- `linear_small` (`small_gemm.cpp`, the avx512_bf16 variant only): bf16 rows dotted with
+  each weight row by AVX512-BF16's dpbf16 (exact products, float32 sums, one bf16 rounding).
+- `compact_linear` (`compact_gemm.cpp`, every variant): the weight stays bf16 in memory and
+  is widened in registers (a shift), every product and sum float32 FMA, for float32 or bf16
+  activations and any number of rows. It serves the bf16 linears where torch's oneDNN
+  packing is refused (AVX2-only CPUs) or capped off (`kernels.cpu_isa`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available
+from kernels.cpu_build import available, ops
+
+# NOTE: up to this many rows each weight row is widened in registers per pass of 8 rows;
+# more rows widen blocks of the weight into float32 tiles (measured here on gemma-3-270m's
+# widths, AVX2 variant: even at 8-16 rows, the tiles ahead from 16 on).
+COMPACT_TILE_ROWS = 8
 
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether `linear_small` runs its own loop for this weight: a bf16 CPU tensor, and a
     build of the CPU ops with AVX512-BF16 (elsewhere callers keep their GEMM)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and available()
-            and int(torch.ops.ringserve.linear_small_max()) > 0)  # fmt: skip
+            and int(ops().linear_small_max()) > 0)  # fmt: skip
 
 
 def linear_small(x: torch.Tensor, weight: torch.Tensor,
@@ -30,6 +41,28 @@ def linear_small(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [m, n] bf16.
     """
-    out: torch.Tensor = torch.ops.ringserve.linear_small(
-        x.contiguous(), weight.contiguous(), bias)
+    out: torch.Tensor = ops().linear_small(x.contiguous(), weight.contiguous(), bias)
+    return out
+
+
+def compact_supports(weight: torch.Tensor) -> bool:
+    """Whether `compact_linear` serves this weight: bf16 on the CPU, with the ops built."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and available()
+
+
+def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   variant: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 arithmetic over a bf16 weight.
+
+    Args:
+        x: [m, k] float32 or bf16, any m.
+        weight: [n, k] bf16, contiguous.
+        bias: [n] or None.
+        variant: the kernel variant (`kernels.cpu_isa.VARIANTS`); default this CPU's.
+
+    Returns:
+        [m, n] in x's dtype, each value one float32 sum rounded once.
+    """
+    out: torch.Tensor = ops(variant).compact_linear(x, weight, None, None, 16, 0, bias,
+                                                    COMPACT_TILE_ROWS)
     return out

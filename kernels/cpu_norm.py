@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available
+from kernels.cpu_build import available, ops
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -24,7 +24,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         scale: float32 [d], the effective weight (Gemma: ``1 + w``).
     """
     flat = x.reshape(-1, x.shape[-1])
-    out: torch.Tensor = torch.ops.ringserve.rms_norm(flat, scale, eps)
+    out: torch.Tensor = ops().rms_norm(flat, scale, eps)
     return out.view(x.shape)
 
 
@@ -43,5 +43,5 @@ def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, cos: torch.Tensor,
     rot = cos.shape[-1]
     c = cos.reshape(-1, rot).contiguous()
     s = sin.reshape(-1, rot).contiguous()
-    out: torch.Tensor = torch.ops.ringserve.norm_rope(x, scale, c, s, eps)
+    out: torch.Tensor = ops().norm_rope(x, scale, c, s, eps)
     return out

@@ -7,6 +7,7 @@ kernels run under the interpreter; with one, they run for real.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -48,3 +49,26 @@ def engines() -> Iterator[list[Any]]:
         stats = llm.stats()
         assert stats["kv_read_misses"] == 0 and stats["num_preemptions"] == 0
         assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
+
+
+def _variants() -> list[str]:
+    try:
+        from kernels import cpu_isa
+    except ImportError:  # block_manager tests need no torch
+        return []
+    return cpu_isa.runnable_variants()
+
+
+@pytest.fixture(params=_variants())
+def cpu_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel variant this CPU can execute (`kernels.cpu_isa`), as if the process ran
+    on a CPU of that class: every op, the oneDNN packing choice and the auto dtype follow.
+    On an AMX machine this tests the AVX2 and portable paths an AVX2-only machine serves."""
+    from kernels import cpu_build, cpu_isa
+
+    variant: str = request.param
+    real = cpu_isa.info()
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls=variant))
+    if not cpu_build.available(variant):
+        pytest.fail(f"the {variant} CPU kernels did not build")
+    return variant

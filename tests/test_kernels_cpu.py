@@ -30,7 +30,8 @@ def test_kernel_is_built_here() -> None:
 
 
 @pytest.mark.parametrize(("name", "seqs", "kwargs"), CASES, ids=CASE_IDS)
-def test_cpu_kernel_matches_dense(name: str, seqs: list[tuple[int, int]], kwargs: dict) -> None:
+def test_cpu_kernel_matches_dense(cpu_variant: str, name: str, seqs: list[tuple[int, int]],
+                                  kwargs: dict) -> None:
     case = make_case(seqs, seed=case_seed(name), **kwargs)
     out = torch.full_like(case.query, float("nan"))
     if case.query.dtype == torch.float16:  # not compiled for fp16: the default falls back
@@ -44,7 +45,7 @@ def test_cpu_kernel_matches_dense(name: str, seqs: list[tuple[int, int]], kwargs
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_cpu_kernel_random_configs(seed: int) -> None:
+def test_cpu_kernel_random_configs(cpu_variant: str, seed: int) -> None:
     seqs, kwargs = random_case_args(seed)
     kwargs["dtype"] = torch.float32 if kwargs["dtype"] == torch.float16 else kwargs["dtype"]
     case = make_case(seqs, **kwargs)
@@ -53,7 +54,8 @@ def test_cpu_kernel_random_configs(seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_ragged_decode_batch_matches_reference(dtype: torch.dtype) -> None:
+def test_long_ragged_decode_batch_matches_reference(cpu_variant: str,
+                                                    dtype: torch.dtype) -> None:
     """Gemma-3-like heads (4 q / 1 kv, d 256) over wrapped rings of different lengths."""
     seqs = [(700, 1), (5, 1), (511, 1), (512, 1), (1300, 1), (0, 1), (64, 1)]
     case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=256, block_size=16,
@@ -101,7 +103,7 @@ def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((out, rest), dim=-1)
 
 
-def test_rms_norm_matches_float64_on_strided_rows() -> None:
+def test_rms_norm_matches_float64_on_strided_rows(cpu_variant: str) -> None:
     from kernels import cpu_norm
 
     torch.manual_seed(0)
@@ -116,7 +118,7 @@ def test_rms_norm_matches_float64_on_strided_rows() -> None:
 
 @pytest.mark.parametrize("rot", [32, 16], ids=["full", "partial"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_norm_rope_matches_float64(rot: int, norm: bool) -> None:
+def test_norm_rope_matches_float64(cpu_variant: str, rot: int, norm: bool) -> None:
     from kernels import cpu_norm
 
     torch.manual_seed(1)

@@ -1,13 +1,15 @@
-"""The CPU bf16 path: oneDNN-packed linears and fused projections.
+"""The CPU bf16 path: oneDNN-packed linears (AVX-512 and up), compact linears (every CPU
+class, `kernels/csrc/compact_gemm.cpp`), and fused projections.
 
-References: a float64 matmul of the same bf16 weights (the packed GEMM), our own unfused
-float32 model (fusing must not change a number), and transformers' model in bfloat16 for
-the whole packed bf16 model of every family.
+References: a float64 matmul of the same bf16 weights (the packed and compact GEMMs), our own
+unfused float32 model (fusing must not change a number), and transformers' model in bfloat16
+for the whole bf16 model of every family, under every kernel variant this CPU runs.
 """
 
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -15,18 +17,21 @@ from torch import nn
 
 from engine.loading import load_model
 from engine.models.packed_linear import (
+    CompactLinear,
     PackedLinear,
     bucket_rows,
     can_pack,
     fuse_projections,
     pack_linears,
 )
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_isa
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import FAMILIES, B, W, make_checkpoint, random_tokens
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                                reason="oneDNN is not available in this torch build")
+needs_pack = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")),
+    reason=f"torch packs bf16 weights for oneDNN only with AVX-512 BW/VL/DQ; this CPU's class "
+           f"is {cpu_isa.info().cls} (the compact path is tested instead)")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.P
     return {family: make_checkpoint(family, root) for family in FAMILIES}
 
 
-@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (4,), (5,), (2, 3), (9,), (64,), (65,),
-                                   (3, 50), (300,)], ids=str)
+SHAPES = [(0,), (1,), (3,), (4,), (5,), (2, 3), (9,), (64,), (65,), (3, 50), (300,)]
+
+
+@needs_pack
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> None:
     torch.manual_seed(0)
@@ -50,6 +58,37 @@ def test_packed_linear_matches_float64(shape: tuple[int, ...], bias: bool) -> No
     # bf16 output: one rounding of a float32 accumulation (8 mantissa bits)
     torch.testing.assert_close(got.double(), expected, rtol=2**-7, atol=1e-3)
     assert packed.small == cpu_gemm.supports(linear.weight)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compact_linear_matches_float64(cpu_variant: str, shape: tuple[int, ...],
+                                        dtype: torch.dtype) -> None:
+    """bf16 weights widened in registers, float32 FMA, for bf16 or float32 activations."""
+    torch.manual_seed(len(shape) * 100 + shape[-1])
+    linear = nn.Linear(96, 40).to(torch.bfloat16)
+    x = torch.randn(*shape, 96).to(dtype)
+    layer = CompactLinear(linear)
+    got = layer(x)
+    expected = nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+    assert got.shape == (*shape, 40) and got.dtype == dtype
+    tol = {"rtol": 2**-7, "atol": 1e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                          "atol": 1e-5}
+    torch.testing.assert_close(got.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("k", [640, 96, 100, 7], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 40])
+def test_compact_gemm_every_row_count_and_width(cpu_variant: str, rows: int, k: int) -> None:
+    """Both paths (weight rows side by side for few x rows, float32 tiles for many), the
+    widths that leave a tail after the last vector, and each variant's vector width."""
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k)
+    w = (torch.randn(203, k) / 8).to(torch.bfloat16)
+    bias = torch.randn(203)
+    got = cpu_gemm.compact_linear(x, w, bias, variant=cpu_variant)
+    expected = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_row_buckets_are_few_and_pad_little() -> None:
@@ -93,22 +132,36 @@ def test_fusing_projections_changes_no_logit(checkpoints: dict[str, pathlib.Path
     torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_bf16_model_matches_transformers_bf16(checkpoints: dict[str, pathlib.Path],
-                                                      family: str) -> None:
+@pytest.fixture(scope="module")
+def bf16_references(checkpoints: dict[str, pathlib.Path]) -> dict[str, Any]:
+    """Per family: the tokens, transformers' bf16 logits and its float64 logits."""
     import transformers
 
+    refs = {}
+    for family, path in checkpoints.items():
+        ids = random_tokens(4 * W, seed=9)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+        ref64 = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, attn_implementation="eager").eval()
+        with torch.no_grad():
+            refs[family] = (ids, ref(torch.tensor([ids])).logits[0].double(),
+                            ref64(torch.tensor([ids])).logits[0])
+    return refs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_model_matches_transformers_bf16(
+        checkpoints: dict[str, pathlib.Path], bf16_references: dict[str, Any], family: str,
+        cpu_variant: str) -> None:
+    """`--dtype bfloat16` on every CPU class: oneDNN-packed linears from AVX-512 up, compact
+    ones (float32 FMA over bf16 weights) below, as an AVX2-only CPU runs them."""
     path = checkpoints[family]
-    ids = random_tokens(4 * W, seed=9)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    ref64 = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float64, attn_implementation="eager").eval()
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0].double()
-        exact = ref64(torch.tensor([ids])).logits[0]
+    ids, expected, exact = bf16_references[family]
     model = load_model(path, dtype=torch.bfloat16)
-    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    kind = PackedLinear if can_pack(torch.bfloat16, torch.device("cpu")) else CompactLinear
+    assert kind is (CompactLinear if cpu_variant in ("avx2", "portable") else PackedLinear)
+    assert any(isinstance(m, kind) for m in model.modules())
     got = RingHarness(model, B, 4 * W).logits_in_chunks(ids, [W, 1]).double()
     # Both are bf16 approximations of the float64 model: ours must be no worse than
     # transformers' own bf16 run (with slack for a different order of roundings).
@@ -119,11 +172,15 @@ def test_packed_bf16_model_matches_transformers_bf16(checkpoints: dict[str, path
     assert agree >= 0.9, agree
 
 
-def test_pack_linears_swaps_every_linear(checkpoints: dict[str, pathlib.Path]) -> None:
+@pytest.mark.parametrize("kind", [pytest.param(PackedLinear, marks=needs_pack), CompactLinear],
+                         ids=["packed", "compact"])
+def test_pack_linears_swaps_every_linear(checkpoints: dict[str, pathlib.Path],
+                                         kind: type[nn.Module]) -> None:
     model = load_model(checkpoints["gemma3_text"], dtype=torch.bfloat16, pack=False)
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert pack_linears(model) == linears > 0
+    assert pack_linears(model, kind) == linears > 0
     assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(type(m) is kind for m in model.modules()) == linears
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from engine.errors import InvalidRequestError
 from engine.loading import load_model
 from engine.loading.quantize import INT4_GROUP, INT8_GROUP, pick_quantization, weight_bytes
 from engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear, concat_rows
-from kernels import cpu_quant
+from kernels import cpu_build, cpu_quant
 from kernels.quant import (
     QuantizedWeight,
     dequantize,
@@ -37,7 +37,7 @@ LAYOUTS = [("int8", None), ("int8", 32), ("int8", 16), ("int4", 32), ("int4", 64
 
 kernel_only = pytest.mark.skipif(
     not cpu_quant.supports(quantize_int8(torch.ones(32, 64))),
-    reason="the compiled quantized kernel needs AVX512-BF16 and a C++ compiler")
+    reason="the compiled quantized kernels need a C++ compiler")
 
 
 def make(kind: str, group: int | None, weight: torch.Tensor,
@@ -125,7 +125,9 @@ def assert_matches_reference(out: torch.Tensor, x: torch.Tensor, qw: QuantizedWe
 @kernel_only
 @pytest.mark.parametrize("k", FAMILY_WIDTHS)
 @pytest.mark.parametrize(("kind", "group"), LAYOUTS)
-def test_kernel_against_float64_per_family_width(k: int, kind: str, group: int | None) -> None:
+def test_kernel_against_float64_per_family_width(cpu_variant: str, k: int, kind: str,
+                                                 group: int | None) -> None:
+    """bf16 activations: dpbf16 on the avx512_bf16 variant, float32 FMA on the others."""
     if not fits(kind, group, k):
         pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k)
@@ -139,8 +141,27 @@ def test_kernel_against_float64_per_family_width(k: int, kind: str, group: int |
 
 
 @kernel_only
+@pytest.mark.parametrize("k", [576, 640, 3072])
 @pytest.mark.parametrize(("kind", "group"), LAYOUTS)
-def test_kernel_bias_both_paths(kind: str, group: int | None) -> None:
+def test_float32_kernel_against_float64(cpu_variant: str, k: int, kind: str,
+                                        group: int | None) -> None:
+    """float32 activations (the default on CPUs without bf16 arithmetic): the compact
+    kernel of every variant, both paths, within float32 rounding of the float64 product."""
+    if not fits(kind, group, k):
+        pytest.skip(f"{kind} group {group} does not divide k={k}")
+    torch.manual_seed(k + 1)
+    qw = make(kind, group, torch.randn(101, k) * 0.05)
+    ref_w = dequantize(qw, torch.float32).double()
+    for rows, tile_rows in ((1, 8), (2, 8), (5, 8), (8, 8), (3, 0), (13, 0), (40, 8)):
+        x = torch.randn(rows, k)
+        out = cpu_quant.quant_linear(x, qw, None, tile_rows=tile_rows, variant=cpu_variant)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), x.double() @ ref_w.T, rtol=1e-5, atol=1e-4)
+
+
+@kernel_only
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_kernel_bias_both_paths(cpu_variant: str, kind: str, group: int | None) -> None:
     torch.manual_seed(1)
     qw = make(kind, group, torch.randn(40, 128))
     x = torch.randn(2, 128).to(torch.bfloat16)
@@ -150,11 +171,15 @@ def test_kernel_bias_both_paths(kind: str, group: int | None) -> None:
 
 
 @kernel_only
-def test_kernel_refuses_a_bad_layout() -> None:
+def test_kernel_refuses_a_bad_layout(cpu_variant: str) -> None:
     qw = quantize_int8(torch.randn(8, 64))
+    ops = cpu_build.ops(cpu_variant)
     with pytest.raises(RuntimeError, match="scales"):
-        torch.ops.ringserve.quant_linear(torch.randn(1, 64).bfloat16(), qw.qweight,
-                                         qw.scales.float(), None, 8, 64, None)
+        ops.quant_linear(torch.randn(1, 64).bfloat16(), qw.qweight, qw.scales.float(), None,
+                         8, 64, None)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.compact_linear(torch.randn(1, 64), qw.qweight, qw.scales.float(), None, 8, 64,
+                           None)
 
 
 # -- the layers ---------------------------------------------------------------------------
@@ -204,8 +229,12 @@ def test_pick_quantization(tmp_path: pathlib.Path) -> None:
                              dtype=bf16)[0] == "none"
     (tmp_path / "gguf-blocks").mkdir()
     (tmp_path / "gguf-blocks" / "blocks.safetensors").touch()
+    # float32 activations take the compact kernels (every CPU class), bf16 too
     assert pick_quantization("auto", folder=tmp_path, device=cpu,
-                             dtype=torch.float32)[0] == "none"  # no bf16 kernel for fp32
+                             dtype=torch.float32)[0] == "gguf"
+    assert pick_quantization("auto", folder=tmp_path, device=cpu, dtype=bf16)[0] == "gguf"
+    assert pick_quantization("auto", folder=tmp_path, device=cpu,
+                             dtype=torch.float16)[0] == "none"
 
 
 # -- whole models against transformers ------------------------------------------------------
@@ -230,7 +259,8 @@ def transformers_with(path: pathlib.Path, kind: str,
 @pytest.mark.parametrize("family", ["gemma3_text", "llama", "phi3"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_model_matches_transformers(tmp_path: pathlib.Path, family: str,
-                                              kind: str) -> None:
+                                              kind: str, cpu_variant: str) -> None:
+    """float32 activations over quantized weights: the compact kernels of every variant."""
     path = make_checkpoint(family, tmp_path)
     ids = random_tokens(6 * W, seed=3)
     with torch.no_grad():
@@ -239,6 +269,7 @@ def test_quantized_model_matches_transformers(tmp_path: pathlib.Path, family: st
     model = load_model(path, dtype=torch.float32, quantization=kind)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers, "nothing was quantized"
+    assert all(m.kernel for m in layers)
     if family == "gemma3_text":  # tied: the embedding reads the head's quantized table
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
@@ -274,7 +305,8 @@ def test_weight_bytes_of_a_packed_tied_head(tmp_path: pathlib.Path) -> None:
 
 @kernel_only
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_bf16_quantized_model_close_to_transformers(tmp_path: pathlib.Path, kind: str) -> None:
+def test_bf16_quantized_model_close_to_transformers(tmp_path: pathlib.Path, kind: str,
+                                                   cpu_variant: str) -> None:
     """The bf16 kernel path: as close to transformers running the same quantized weights
     in float32 as plain bf16 is to plain float32 (bf16 activations round either way)."""
     path = make_checkpoint("gemma3_text", tmp_path)

@@ -16,7 +16,13 @@ from engine.kv_cache import model_layer_groups
 from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
 from engine.loading.quantize import quantize_model
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
-from engine.models.packed_linear import can_pack, fuse_projections, pack_linears
+from engine.models.packed_linear import (
+    CompactLinear,
+    can_compact,
+    can_pack,
+    fuse_projections,
+    pack_linears,
+)
 
 
 def load_model(
@@ -35,8 +41,9 @@ def load_model(
         dtype: parameter dtype (float32, bfloat16 or float16).
         device: where the parameters live.
         hf_config: the folder's transformers config, if already loaded.
-        pack: reorder linear weights once for oneDNN where that is the faster path
-            (`engine.models.packed_linear.can_pack`).
+        pack: reorder bf16 linear weights once for oneDNN where the CPU allows it
+            (`engine.models.packed_linear.can_pack`), or serve them by our float32-FMA
+            kernel where it does not (`can_compact`: AVX2-only CPUs).
         quantization: a method `quantize.pick_quantization` returned: "none", "int8",
             "int4" or "gguf" (the folder's repacked GGUF blocks).
 
@@ -62,4 +69,7 @@ def load_model(
     if pack and can_pack(dtype, torch.device(device)):
         fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)
+    elif pack and can_compact(dtype, torch.device(device)):
+        fuse_projections(model)
+        pack_linears(model, CompactLinear)
     return model.eval()

@@ -9,8 +9,9 @@ Methods (`--quantization`, `LLM(quantization=...)`):
     gguf   the blocks of the GGUF file the model came from, repacked at conversion
            (`gguf_blocks.py`; Q8_0/Q5_0/Q6_K as int8 groups, Q4_0/Q4_1/Q4_K as 4-bit
            groups); tensors the file stores in other block types stay in the model's dtype
-    auto   gguf for a model converted from a GGUF file on a CPU that runs the quantized
-           kernel in bf16 (what the user installed is what runs); none elsewhere
+    auto   gguf for a model converted from a GGUF file on a CPU with the compiled kernels
+           (every CPU class: bf16 activations by dpbf16 where the CPU has AVX512-BF16,
+           float32 FMA elsewhere; what the user installed is what runs); none elsewhere
 
 A tied output head and its embedding share one quantized table; the lookup widens only the
 rows it reads. Quantized weights run on the CPU: on CUDA every method but none is refused.
@@ -63,9 +64,9 @@ def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
             return "none", "auto: not a GGUF model"
         if device.type != "cpu":
             return "none", "auto: quantized weights run on the CPU only"
-        if dtype != torch.bfloat16 or not _kernel_ready():
-            return "none", ("auto: the quantized kernel needs bfloat16 activations and a CPU "
-                            "with AVX512-BF16")  # fmt: skip
+        if dtype not in (torch.bfloat16, torch.float32) or not cpu_build.available():
+            return "none", ("auto: the quantized kernels need float32 or bfloat16 activations "
+                            "and the compiled CPU kernels")  # fmt: skip
         return "gguf", "auto: the GGUF file's own blocks"
     if name != "none" and device.type != "cpu":
         raise InvalidRequestError(
@@ -76,10 +77,6 @@ def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
             "quantization 'gguf' needs a model converted from a .gguf file or a preset; "
             f"{folder} has no {BLOCKS_FILE}", param="quantization")
     return name, "asked for"
-
-
-def _kernel_ready() -> bool:
-    return cpu_build.available() and bool(torch.ops.ringserve.quant_linear_supported())
 
 
 def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
@@ -106,10 +103,10 @@ def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
     logger.info("quantization %s: %d linears quantized", method, replaced)
     slow = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.kernel]
     dtype = next(iter(model.parameters())).dtype
-    if slow or dtype != torch.bfloat16:
-        logger.warning("quantization %s without the compiled kernel (it needs bfloat16 "
-                       "activations and AVX512-BF16): every step widens the weights, slower "
-                       "than quantization='none'", method)
+    if slow or dtype not in (torch.bfloat16, torch.float32):
+        logger.warning("quantization %s without the compiled kernels (they need float32 or "
+                       "bfloat16 activations and a C++ compiler): every step widens the "
+                       "weights, slower than quantization='none'", method)
 
 
 def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:

@@ -17,17 +17,28 @@ import torch
 from torch import nn
 
 from engine.models.layers import MLP, Attention
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_isa
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linears of this dtype on this device take the packed path.
 
-    bfloat16 on a CPU with oneDNN. float32 keeps `F.linear` (MKL), the very kernel
-    transformers runs, so the float32 path stays token-exact with it.
+    bfloat16 on a CPU with oneDNN whose class is AVX-512 or above (`kernels.cpu_isa`):
+    torch refuses to pack bf16 weights on an AVX2-only CPU (a RuntimeError), and the
+    RINGSERVE_CPU_ISA cap keeps packing off below avx512 so that the cap tests what such a
+    CPU runs. float32 keeps `F.linear` (MKL), the very kernel transformers runs, so the
+    float32 path stays token-exact with it.
     """
     return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]  # fmt: skip
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            and cpu_isa.onednn_bf16_linear())  # fmt: skip
+
+
+def can_compact(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16 linears that cannot be packed take `CompactLinear` (our float32-FMA
+    kernel over the bf16 weight) instead of `F.linear`'s emulated bf16 GEMM."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and not can_pack(dtype, device)
+            and cpu_gemm.compact_supports(torch.empty(0, dtype=dtype)))  # fmt: skip
 
 
 # NOTE: decode steps of at most this many rows take the compiled small-batch GEMV
@@ -94,6 +105,30 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class CompactLinear(nn.Module):
+    """`nn.Linear` over a bf16 weight on a CPU without bf16 arithmetic: the weight stays
+    bf16 in memory and `kernels.cpu_gemm.compact_linear` widens it in registers (float32
+    FMA), for every batch size.
+
+    Args:
+        linear: the layer (bf16 weight).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = cpu_gemm.compact_linear(flat, self.weight.detach(), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, compact"
+
+
 def _concat(layers: list[nn.Linear]) -> nn.Linear:
     """One linear computing ``layers`` side by side (outputs concatenated in order)."""
     first = layers[0]
@@ -136,16 +171,17 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` in ``model`` by a `PackedLinear`, in place.
+def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear) -> int:
+    """Replace every `nn.Linear` in ``model`` by a ``kind`` (`PackedLinear` or
+    `CompactLinear`) made from it, in place.
 
     Returns:
-        The number of layers packed.
+        The number of layers replaced.
     """
     targets = [(parent, name, child)
                for parent in model.modules()
                for name, child in parent.named_children()
                if type(child) is nn.Linear]  # fmt: skip
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, kind(child))
     return len(targets)

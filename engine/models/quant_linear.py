@@ -4,17 +4,19 @@ A decode step reads every weight once, so its floor is the weight bytes over the
 bandwidth: int8 halves bf16's bytes and 4-bit nearly quarters them. Activations stay in
 the model's dtype.
 
-Paths, by what the step is and what the machine has:
-- bf16 activations and the compiled CPU kernels (`kernels/csrc/quant_gemm.cpp`): a few
-  rows (decode) read the packed weight once and widen it in registers; many rows (prefill,
+Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
+- bf16 activations on a CPU with AVX512-BF16 (`kernels/csrc/quant_gemm.cpp`): a few rows
+  (decode) read the packed weight once and widen it in registers; many rows (prefill,
   large batches) widen it block by block into cache-sized bf16 tiles, where arithmetic,
   not the weight read, is the cost.
-- elsewhere (float32 activations, a CPU without AVX512-BF16 or without a compiler): the
-  weight is widened to the activations' dtype on every call, correct and slow (the start-up
-  log warns). torch's own packed low-bit CPU kernels were measured for this place and left
-  out: `_weight_int8pack_mm` read gemma's head at 13 GB/s with one row (ours: 23), and
-  `_weight_int4pack_mm_for_cpu`, 18 GB/s at one row, took 16 ms for the head at 8 rows
-  where bf16 takes 14 (its cost grows with every row).
+- float32 or bf16 activations on any other CPU, AVX2 and aarch64 included
+  (`kernels/csrc/compact_gemm.cpp`): the same two shapes with float32 FMA.
+- without a compiler (or float16 activations): the weight is widened to the activations'
+  dtype on every call, correct and slow (the start-up log warns). torch's own packed
+  low-bit CPU kernels were measured for this place and left out: `_weight_int8pack_mm`
+  read gemma's head at 13 GB/s with one row (ours: 23), and `_weight_int4pack_mm_for_cpu`,
+  18 GB/s at one row, took 16 ms for the head at 8 rows where bf16 takes 14 (its cost
+  grows with every row).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.kernel and flat.dtype == torch.bfloat16:
+        if self.kernel and flat.dtype in (torch.bfloat16, torch.float32):
             out = cpu_quant.quant_linear(flat, self.qw, self.bias, TILE_ROWS)
         else:
             out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "bf16.h"
 
 #include <cmath>
@@ -123,12 +125,12 @@ at::Tensor norm_rope(const at::Tensor& x, const std::optional<at::Tensor>& scale
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ringserve, m) {
+RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("norm_rope(Tensor x, Tensor? scale, Tensor cos, Tensor sin, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ringserve, CPU, m) {
+RINGSERVE_IMPL(RINGSERVE_NS, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("norm_rope", &norm_rope);
 }

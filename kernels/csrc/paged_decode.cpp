@@ -14,6 +14,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "bf16.h"
 
 #include <algorithm>
@@ -266,7 +268,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY(ringserve, m) {
+RINGSERVE_LIBRARY(RINGSERVE_NS, m) {
   m.def(
       "paged_decode(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor seq_ids, Tensor tokens, "
@@ -274,4 +276,4 @@ TORCH_LIBRARY(ringserve, m) {
       "float softcap) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(ringserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("paged_decode", &paged_decode); }

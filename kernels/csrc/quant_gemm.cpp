@@ -21,7 +21,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "bf16.h"
+#include "quant_layout.h"
 
 #include <cstring>
 #include <optional>
@@ -36,26 +39,6 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // x rows a pass; more rows run in passes of 8
-
-void check_layout(const at::Tensor& qweight, const at::Tensor& scales,
-                  const std::optional<at::Tensor>& mins, int64_t bits, int64_t group,
-                  int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "quant: qweight [n, k'] contiguous");
-  TORCH_CHECK(qweight.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-              "quant: qweight must be int8 (bits 8) or uint8 (bits 4)");
-  TORCH_CHECK(k % (bits == 8 ? 32 : 64) == 0 && group % 16 == 0 && k % group == 0 &&
-                  (bits == 8 || group % 32 == 0),
-              "quant: k a multiple of 32 (64 for 4 bits), group a multiple of 16 (32 for 4 "
-              "bits) dividing k");
-  TORCH_CHECK(qweight.size(1) == (bits == 8 ? k : k / 2), "quant: qweight width does not match k");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(0) == qweight.size(0) && scales.size(1) == k / group,
-              "quant: scales must be float16 [n, k / group]");
-  TORCH_CHECK(bits == 8 || (mins.has_value() && mins->scalar_type() == at::kHalf &&
-                            mins->is_contiguous() && mins->sizes() == scales.sizes()),
-              "quant: 4-bit weights need float16 mins shaped like scales");
-}
 
 #if defined(__AVX512BF16__)
 
@@ -87,19 +70,6 @@ inline void widen64(const uint8_t* row, int64_t j, __m512bh& w0, __m512bh& w1) {
     w1 = widen_int8(reinterpret_cast<const int8_t*>(row) + j + 32);
   } else {
     widen_int4(row + j / 2, w0, w1);
-  }
-}
-
-// f(std::integral_constant<int, r>{}) for the compile-time r == rows (1 <= rows <= R): the
-// kernels are unrolled per row count.
-template <int R, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  if constexpr (R == 1) {
-    f(std::integral_constant<int, 1>{});
-  } else if (rows >= R) {
-    f(std::integral_constant<int, R>{});
-  } else {
-    with_rows<R - 1>(rows, std::forward<F>(f));
   }
 }
 
@@ -232,7 +202,7 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
         const uint16_t* xp = x + m0 * k;
         const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
         c10::BFloat16* op = out + m0 * n;
-        with_rows<kMaxRows>(rows - m0, [&](auto r) {
+        ringserve::with_rows<kMaxRows>(rows - m0, [&](auto r) {
           quant_rows<decltype(r)::value, BITS>(xp, qw, scales, mins, xs, bias, b0, b1, k,
                                                group, n, op);
         });
@@ -399,7 +369,7 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
         const uint16_t* xp = x + m0 * k;
         const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
         c10::BFloat16* op = out + m0 * n;
-        with_rows<kTileMR>(rows - m0, [&](auto r) {
+        ringserve::with_rows<kTileMR>(rows - m0, [&](auto r) {
           tile_rows<decltype(r)::value, BITS>(xp, k, group, tile.data(), sct.data(),
                                               mnt.data(), xs, groups, valid, bias, r0, n, op);
         });
@@ -418,7 +388,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         const std::optional<at::Tensor>& bias, int64_t tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "quant_linear: x must be bf16 [m, k]");
   const int64_t k = x.size(1), n = qweight.size(0), rows = x.size(0);
-  check_layout(qweight, scales, mins, bits, group, k);
+  ringserve::check_layout(qweight, scales, mins, bits, group, k);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
               "quant_linear: bias must be bf16 [n]");
 #if defined(__AVX512BF16__)
@@ -468,12 +438,12 @@ bool quant_linear_supported() {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ringserve, m) {
+RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
 }
 
-TORCH_LIBRARY_IMPL(ringserve, CPU, m) {
+RINGSERVE_IMPL(RINGSERVE_NS, m) {
   m.impl("quant_linear", &quant_linear);
 }

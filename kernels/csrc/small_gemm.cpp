@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <optional>
 
 #if defined(__AVX512BF16__)
@@ -103,9 +105,9 @@ int64_t linear_small_max() {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(ringserve, m) {
+RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("linear_small(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_small_max() -> int", &linear_small_max);
 }
 
-TORCH_LIBRARY_IMPL(ringserve, CPU, m) { m.impl("linear_small", &linear_small); }
+RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("linear_small", &linear_small); }
