@@ -14,17 +14,25 @@ reference's, max / mean |logit difference| and the mean KL(reference || variant)
 
 A `--variant NAME:KEY=VALUE,...` passes its keys to `LLM(...)` as extra keyword arguments
 (values read as JSON when they parse, else as strings); without `dtype=` it takes the
-reference's dtype. Goal of the bf16 issue: top-1 >= 99%, perplexity within 1%.
+reference's dtype. The key `cpu_isa=CLASS` (portable, avx2, avx512, avx512_bf16) serves that
+variant as a CPU of that class would (`kernels.cpu_isa`: its kernel variant, its oneDNN
+packing, its auto dtype), so one machine measures the AVX2 path beside its own:
+
+    python benchmarks/accuracy.py --variant 'avx2-gguf:cpu_isa=avx2,quantization=gguf'
+
+Goal of the bf16 issue: top-1 >= 99%, perplexity within 1%.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from engine import LLM  # noqa: E402
 from engine.loading import load_tokenizer, resolve_model  # noqa: E402
 from engine.models import CausalLM  # noqa: E402
+from kernels import cpu_isa  # noqa: E402
 from tests.model_harness import teacher_forced_logits  # noqa: E402
 
 SEED_DIR = ROOT.parent / "shared" / "seed"
@@ -141,17 +150,34 @@ def text_tokens(tokenizer: Any, text: str, count: int) -> list[int]:
 
 def served_model(path: Path, variant: Variant, max_len: int, block_size: int) -> CausalLM:
     """The model ``LLM(path, **variant.llm_kwargs)`` loads and serves (on the CPU)."""
+    kwargs = {k: v for k, v in variant.llm_kwargs.items() if k != "cpu_isa"}
     llm = LLM(model=str(path), **{"device": "cpu", "block_size": block_size,
                                   "kv_cache_memory": "256MiB", "max_num_seqs": 1,
-                                  "max_model_len": max_len, **variant.llm_kwargs})
+                                  "max_model_len": max_len, **kwargs})
     return llm.engine.model
+
+
+@contextlib.contextmanager
+def cpu_class(name: str | None) -> Iterator[None]:
+    """Serve as a CPU of class ``name`` (None: this CPU's) while the block runs."""
+    if name is None:
+        yield
+        return
+    real = cpu_isa.info
+    capped = dataclasses.replace(real(), cls=cpu_isa.parse_cap(name) or real().cls)
+    cpu_isa.info = lambda: capped  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpu_isa.info = real  # type: ignore[assignment]
 
 
 def variant_logits(path: Path, variant: Variant, tokens: list[int], chunk: int,
                    block_size: int) -> torch.Tensor:
     """Logits at every position of ``tokens`` through the model the variant's LLM serves."""
-    model = served_model(path, variant, len(tokens) + 1, block_size)
-    return teacher_forced_logits(model, tokens, chunk, block_size)
+    with cpu_class(variant.llm_kwargs.get("cpu_isa")):
+        model = served_model(path, variant, len(tokens) + 1, block_size)
+        return teacher_forced_logits(model, tokens, chunk, block_size)
 
 
 def run(model: str, text: str, variants: list[Variant], *, tokens: int, chunk: int,

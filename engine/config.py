@@ -20,6 +20,8 @@ class EngineConfig:
         dtype: "auto", "float32", "bfloat16" or "float16".
         quantization: "auto", "none", "int8", "int4" or "gguf" (weight-only; see
             `engine.loading.quantize`).
+        kv_cache_dtype: "auto" (the model's dtype) or "bfloat16": a float32 model on the
+            CPU keeping its KV cache in bf16 (half the bytes a block, twice the sequences).
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool ("2GiB"); None = the device default (CPU:
@@ -42,6 +44,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None

@@ -35,6 +35,7 @@ from engine.startup import (
     kv_memory_bytes,
     pick_device,
     pick_dtype,
+    pick_kv_dtype,
 )
 from engine.stopping import append_token
 from engine.structured_output import StructuredOutputs
@@ -62,6 +63,10 @@ class LLMEngine:
         hf_config = load_hf_config(resolved.path)
         self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        self.kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        if self.kv_dtype != self.dtype:
+            logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."),
+                        why)  # fmt: skip
         if self.device.type == "cpu":
             cpu_build.available()  # build the CPU kernels now, not at the first request
         self.tokenizer = load_tokenizer(resolved.path)
@@ -79,7 +84,7 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_ids) | _generation_eos(resolved.path)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         k = self.speculative.num_speculative_tokens if self.speculative else 0
-        spec = kv_cache_spec(mcfg, config.block_size, self.dtype,
+        spec = kv_cache_spec(mcfg, config.block_size, self.kv_dtype,
                              prefix_caching=config.enable_prefix_caching, speculative_tokens=k)
         memory = kv_memory_bytes(config, self.device)
         num_blocks = plan_num_blocks(spec, memory)
@@ -87,7 +92,8 @@ class LLMEngine:
                                  debug=config.debug_kv,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  speculative_tokens=k)
-        caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.dtype, self.device)
+        caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.kv_dtype,
+                                    self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    speculative=self.speculative)

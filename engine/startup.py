@@ -63,6 +63,35 @@ def pick_dtype(name: str, device: torch.device, hf_config: object) -> tuple[torc
     return torch.float32, "auto: this CPU has neither AMX-BF16 nor AVX512-BF16"
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "float16")
+
+
+def pick_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """The KV cache's dtype and, for the start-up log, why: "auto" is the model's dtype;
+    "bfloat16" under a float32 model on the CPU halves every block (the decode kernel
+    widens it in registers); any other dtype than the model's is refused naming
+    ``kv_cache_dtype``.
+
+    Raises:
+        InvalidRequestError: an unknown name, or a combination no kernel serves.
+    """
+    name = (name or "auto").lower().replace("bf16", "bfloat16").replace("fp32", "float32")
+    if name not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}"
+                                  f"; got {name!r}", param="kv_cache_dtype")  # fmt: skip
+    if name == "auto":
+        return dtype, "auto: the model's dtype"
+    wanted = getattr(torch, name)
+    if wanted == dtype:
+        return dtype, "asked for"
+    if wanted == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu":
+        return wanted, "asked for: float32 activations over a bf16 cache"
+    raise InvalidRequestError(
+        f"kv_cache_dtype {name} with a {str(dtype).removeprefix('torch.')} model: only the "
+        "model's own dtype, or bfloat16 under a float32 model on the CPU",
+        param="kv_cache_dtype")
+
+
 def kv_memory_bytes(config: EngineConfig, device: torch.device,
                     profile_peak: int | None = None) -> int:
     """Bytes for the KV pool.

@@ -114,9 +114,13 @@ def check_attention_args(
     _shape("block_tables", block_tables, (num_seqs, block_tables.shape[1]))
     _shape("query_start_loc", query_start_loc, (num_seqs + 1,))
     _dtype("query", query, FLOAT_DTYPES)
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache)):  # fmt: skip
+    for name, t in (("key", key), ("value", value)):
         _dtype(name, t, (query.dtype,))
+    # NOTE: on the CPU a float32 model may keep its cache in bf16 (kv_cache_dtype).
+    cache_dtypes = ((torch.float32, torch.bfloat16)
+                    if query.dtype == torch.float32 and not query.is_cuda else (query.dtype,))
+    _dtype("key_cache", key_cache, cache_dtypes)
+    _dtype("value_cache", value_cache, (key_cache.dtype,))
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("context_lens", context_lens)):  # fmt: skip
         _dtype(name, t, INDEX_DTYPES)

@@ -27,6 +27,7 @@ class ServeArgs:
     port: int = 8000
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None
@@ -46,7 +47,7 @@ class ServeArgs:
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
-                    device=self.device,
+                    kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,

@@ -133,3 +133,31 @@ def test_norm_rope_matches_float64(cpu_variant: str, rot: int, norm: bool) -> No
     h = _rms64(x, scale, 1e-6) if scale is not None else x.double()
     assert got.is_contiguous() and got.shape == x.shape
     torch.testing.assert_close(got.double(), _rope64(h, cos, sin), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("seed", range(6))
+def test_float32_queries_over_a_bf16_cache(cpu_variant: str, backend: str, seed: int) -> None:
+    """kv_cache_dtype=bfloat16 under a float32 model: the cache holds bf16, the step's own
+    K/V arrive in float32 and are read as the cache will hold them (rounded to bf16). The
+    oracle: float64 attention over the bf16-rounded history."""
+    import dataclasses
+
+    seqs, kwargs = random_case_args(seed)
+    kwargs["dtype"] = torch.float32
+    case = make_case(seqs, **kwargs)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()
+
+    oracle_case = dataclasses.replace(case, full_k=[rounded(k) for k in case.full_k],
+                                      full_v=[rounded(v) for v in case.full_v])
+    args = list(case.tensors())
+    args[3], args[4] = case.key_cache.to(torch.bfloat16), case.value_cache.to(torch.bfloat16)
+    before = [t.clone() for t in args]
+    out = kernels.paged_attention(*args, **case.kwargs(), backend=backend)
+    assert out.dtype == torch.float32
+    expected = dense_attention(oracle_case)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+    for a, b in zip(args, before, strict=True):  # inputs untouched
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

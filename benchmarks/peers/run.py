@@ -10,6 +10,7 @@ as failed and the others still run. See benchmarks/peers/README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shlex
@@ -66,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of the load (default: greedy; OpenAI's "
                         "default is 1)")
+    p.add_argument("--cpu-isa", default=None, choices=["avx2"],
+                   help="measure as an AVX2-only machine would: ringserve capped by "
+                        "RINGSERVE_CPU_ISA, llama.cpp built for x86-64-v3 (vLLM cannot be "
+                        "capped: it keeps this CPU's AVX-512/AMX, said in its row)")
     p.add_argument("--out", type=Path, default=RESULTS / "peers",
                    help="output prefix (default: %(default)s)")
     args = p.parse_args()
@@ -163,14 +168,24 @@ def machine() -> str:
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB"
+    from kernels import cpu_isa  # the CPU class decides ringserve's kernels (and vLLM's bf16)
+
+    info = cpu_isa.info()
+    flags = " ".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma", "f16c"))))
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; CPU class {info.cls} "
+            f"({flags or info.arch})")
 
 
 def main() -> None:
     args = parse_args()
+    if args.cpu_isa:  # inherited by ringserve's server and read by setup_llamacpp
+        os.environ["RINGSERVE_CPU_ISA"] = args.cpu_isa
     kinds = set(args.only.split(","))
     ringserve_args = [a.strip() for a in args.ringserve_args.split(";")]
     rows = [r for r in servers.default_rows(ringserve_args, hf_folder) if r.kind in kinds]
+    if args.cpu_isa:
+        rows = [dataclasses.replace(r, name=f"{r.name} (uncapped: this CPU's own ISA)")
+                if r.kind == "vllm" else r for r in rows]  # fmt: skip
     errors = setup(kinds)
     if args.setup_only:
         for row in rows:

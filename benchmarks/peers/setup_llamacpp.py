@@ -2,11 +2,17 @@
 and the two GGUFs it serves: the preset's own Q4_K_M and a bf16 one converted by llama.cpp's
 `convert_hf_to_gguf.py` from the same HF folder ringserve and vLLM load.
 
+llama.cpp is built for the machine (GGML_NATIVE), as its users build it. With
+RINGSERVE_CPU_ISA=avx2 in the environment (`run.py --cpu-isa avx2`) it is built instead for
+x86-64-v3 (AVX2, FMA, F16C; no AVX-512) in a build folder of its own: the llama.cpp an
+AVX2-only machine runs, beside ringserve capped to the same class.
+
     .venv/bin/python benchmarks/peers/setup_llamacpp.py     # idempotent; ~10-18 min once
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tarfile
@@ -19,8 +25,6 @@ from paths import CACHE, MODEL, log, python, run
 SDIST = "llama-cpp-python==0.3.36"
 DIR = CACHE / "llamacpp"
 SRC = DIR / "llama.cpp"
-BUILD = DIR / "build"
-SERVER = BUILD / "bin" / "llama-server"
 GGUF_Q4 = CACHE / "gguf" / f"{MODEL}-Q4_K_M.gguf"
 GGUF_BF16 = CACHE / "gguf" / f"{MODEL}-bf16.gguf"
 
@@ -35,6 +39,24 @@ CMAKE_FLAGS = [
     "-DGGML_AMX_BF16=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
 ]
+# x86-64-v3 by hand: ggml's own switches, native detection off
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]
+
+
+def _avx2() -> bool:
+    # NOTE: read at call time: run.py's --cpu-isa sets it after this module is imported.
+    return os.environ.get("RINGSERVE_CPU_ISA", "").strip().lower() == "avx2"
+
+
+def build_dir() -> Path:
+    return DIR / ("build-avx2" if _avx2() else "build")
+
+
+def cmake_flags() -> list[str]:
+    if not _avx2():
+        return CMAKE_FLAGS
+    return [f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON"] + AVX2_FLAGS
 
 
 def sources() -> Path:
@@ -57,14 +79,17 @@ def sources() -> Path:
 
 def build() -> Path:
     """`llama-server` only, 2 jobs (the machine has 2 cores)."""
-    if SERVER.exists():
-        return SERVER
+    build_to = build_dir()
+    server = build_to / "bin" / "llama-server"
+    if server.exists():
+        return server
     src = sources()
     log("building llama-server (10-18 min on 2 cores)")
-    run(["cmake", "-S", str(src), "-B", str(BUILD), *CMAKE_FLAGS], log_name="llamacpp-cmake.log")
-    run(["cmake", "--build", str(BUILD), "--target", "llama-server", "-j2"],
+    run(["cmake", "-S", str(src), "-B", str(build_to), *cmake_flags()],
+        log_name="llamacpp-cmake.log")
+    run(["cmake", "--build", str(build_to), "--target", "llama-server", "-j2"],
         log_name="llamacpp-build.log")
-    return SERVER
+    return server
 
 
 def q4_gguf() -> Path:

@@ -163,13 +163,16 @@ struct Args {
   float scale, softcap;
 };
 
-// Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group.
-template <typename T>
+// Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group. T is
+// the activations' type, C the cache's (bf16 under float32 activations with
+// kv_cache_dtype=bfloat16); the fresh K/V row is rounded to C first, as the cache will hold
+// it, so a token attends to itself as later tokens will see it.
+template <typename T, typename C>
 void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* key,
-                const T* value, const T* key_cache, const T* value_cache,
+                const T* value, const C* key_cache, const C* value_cache,
                 const int32_t* tables, int64_t token, int64_t ctx, T* out,
                 std::vector<float>& scores, std::vector<float>& qbuf,
-                std::vector<float>& acc) {
+                std::vector<float>& acc, std::vector<C>& fresh) {
   const int64_t d = a.d, g = a.group;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
   const int64_t len = ctx - lo + 1;  // cached window + the fresh key
@@ -187,17 +190,23 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
     int64_t column = a.ring > 0 ? logical % a.ring : logical;
     return static_cast<int64_t>(table[column]) * a.block_size + p % a.block_size;
   };
+  // The fresh K and V rows in the cache's type.
+  fresh.resize(static_cast<size_t>(2 * d));
+  const T* fk = key + (token * a.kv_heads + h) * d;
+  const T* fv = value + (token * a.kv_heads + h) * d;
+  for (int64_t i = 0; i < d; ++i) {
+    fresh[i] = ringserve::from_f<C>(to_f(fk[i]));
+    fresh[d + i] = ringserve::from_f<C>(to_f(fv[i]));
+  }
   // Pass 1: scores. Column c is position lo + c; the last column is the fresh key.
   for (int64_t c = 0; c < len; ++c) {
-    const T* k = c + 1 < len ? key_cache + slot_of(lo + c) * row + h * d
-                             : key + (token * a.kv_heads + h) * d;
+    const C* k = c + 1 < len ? key_cache + slot_of(lo + c) * row + h * d : fresh.data();
     score_row(qbuf.data(), k, g, d, &scores[c], len);
   }
   for (int64_t j = 0; j < g; ++j) softmax(&scores[j * len], len, a.softcap);
   // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
   for (int64_t c = 0; c < len; ++c) {
-    const T* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d
-                             : value + (token * a.kv_heads + h) * d;
+    const C* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d : fresh.data() + d;
     value_row(acc.data(), &scores[c], len, v, g, d);
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -206,7 +215,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
          const at::Tensor& value, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& tables, const at::Tensor& seq_ids, const at::Tensor& tokens,
@@ -218,15 +227,17 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
   const T* q = query.data_ptr<T>();
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
-  const T* kc = key_cache.data_ptr<T>();
-  const T* vc = value_cache.data_ptr<T>();
+  const C* kc = key_cache.data_ptr<C>();
+  const C* vc = value_cache.data_ptr<C>();
   const int32_t* tb = tables.data_ptr<int32_t>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qbuf, acc;
+    std::vector<C> fresh;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
-      decode_one<T>(a, seq[i], h, q, k, v, kc, vc, tb, tok[i], ctx[i], o, scores, qbuf, acc);
+      decode_one<T, C>(a, seq[i], h, q, k, v, kc, vc, tb, tok[i], ctx[i], o, scores, qbuf,
+                       acc, fresh);
     }
   });
 }
@@ -255,14 +266,22 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
   a.table_width = block_tables.size(1);
   a.scale = static_cast<float>(scale);
   a.softcap = static_cast<float>(softcap);
-  if (query.scalar_type() == at::kFloat) {
-    run<float>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids, tokens,
-               context_lens, out);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids,
-                       tokens, context_lens, out);
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == ct && key.scalar_type() == qt &&
+                  value.scalar_type() == qt && out.scalar_type() == qt,
+              "paged_decode: K/V share the query's dtype, the two caches one dtype");
+  if (qt == at::kFloat && ct == at::kFloat) {
+    run<float, float>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids,
+                      tokens, context_lens, out);
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(a, query, key, value, key_cache, value_cache,
+                                      block_tables, seq_ids, tokens, context_lens, out);
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    run<float, c10::BFloat16>(a, query, key, value, key_cache, value_cache, block_tables,
+                              seq_ids, tokens, context_lens, out);
   } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries over a cache of their dtype, "
+                "or float32 queries over a bfloat16 cache");
   }
 }
 
