@@ -1,11 +1,17 @@
 """The engine: sequences, scheduler, model runner, models, sampler, loading, engine loop."""
 
-# NOTE: OpenMP's wait policy is left to the runtime's default (spin a while, then sleep).
-# Measured on 2 cores, gemma-3-270m bf16, alone on the machine: passive waits made decode
-# steps 10-25% slower (batch 1: 44-50 vs 36-42 ms; prefill 205 vs 165 ms), as every
-# parallel region paid a futex wake-up. Beside another busy process spinning collapses
-# instead (a decode run took 46 s spinning, 5.7 s passive): the tests, which run servers
-# side by side, set OMP_WAIT_POLICY=PASSIVE, and so should anyone sharing a machine.
+# NOTE: OpenMP's waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless the user
+# chose a policy: libgomp reads it once, when torch loads it, so it is set here, before
+# anything of ours imports torch (a program that imported torch first keeps its own).
+# benchmarks/omp_wait.py, gemma-3-270m, 8 requests of 64 tokens, 2 cores (AMX machine,
+# 2026-12-01): passive 66.7 tok/s alone and 39.1 beside one busy process (1.70x fall);
+# libgomp's default spin 52.7 and 25.0 (2.11x); GOMP_SPINCOUNT=10000 65.1 and 30.0;
+# transformers fell 2.58x in the same run. An earlier Zen 4 run found passive 10-25% slower
+# alone at batch 1: set OMP_WAIT_POLICY=ACTIVE (or GOMP_SPINCOUNT) on a machine of your own.
+import os as _os
+
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server.
+
+NOTE: `engine` first: it sets OpenMP's wait policy before torch loads (engine/__init__.py).
+"""
+
+import engine  # noqa: F401
