@@ -12,8 +12,11 @@ in registers:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from kernels import cpu_isa
 from kernels.cpu_build import available, ops
 from kernels.quant import QuantizedWeight
 
@@ -26,9 +29,15 @@ def supports(qw: QuantizedWeight) -> bool:
             and available())  # fmt: skip
 
 
+@functools.cache
+def _has_dpbf16(variant: str) -> bool:
+    return bool(ops(variant).quant_linear_supported())
+
+
 def dpbf16(x: torch.Tensor, variant: str | None = None) -> bool:
-    """Whether ``x`` takes the dpbf16 path: bf16, on a variant built with AVX512-BF16."""
-    return x.dtype == torch.bfloat16 and bool(ops(variant).quant_linear_supported())
+    """Whether ``x`` takes the dpbf16 path: bf16, on a variant built with AVX512-BF16
+    (asked of the build once per variant, not on every call of the decode step)."""
+    return x.dtype == torch.bfloat16 and _has_dpbf16(variant or cpu_isa.info().variant)
 
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,

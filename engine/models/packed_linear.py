@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import MLP, Attention
-from kernels import cpu_gemm, cpu_isa
+from kernels import cpu_build, cpu_gemm, cpu_isa
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,7 +38,7 @@ def can_compact(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16 linears that cannot be packed take `CompactLinear` (our float32-FMA
     kernel over the bf16 weight) instead of `F.linear`'s emulated bf16 GEMM."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and not can_pack(dtype, device)
-            and cpu_gemm.compact_supports(torch.empty(0, dtype=dtype)))  # fmt: skip
+            and cpu_build.available())  # fmt: skip
 
 
 # NOTE: decode steps of at most this many rows take the compiled small-batch GEMV
