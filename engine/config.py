@@ -20,6 +20,9 @@ class EngineConfig:
         dtype: "auto", "float32", "bfloat16" or "float16".
         quantization: "auto", "none", "int8", "int4" or "gguf" (weight-only; see
             `engine.loading.quantize`).
+        int16_activations: "auto", "on" or "off": whether quantized linears round float32
+            activations to int16 blocks for integer dot products (auto: on CPUs without
+            bf16 arithmetic; see `engine.loading.quantize.pick_int16_activations`).
         kv_cache_dtype: "auto" (the model's dtype) or "bfloat16": a float32 model on the
             CPU keeping its KV cache in bf16 (half the bytes a block, twice the sequences).
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
@@ -44,6 +47,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     quantization: str = "auto"
+    int16_activations: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16

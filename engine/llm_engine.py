@@ -21,7 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
 from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
-from engine.loading.quantize import pick_quantization, weight_bytes
+from engine.loading.quantize import pick_int16_activations, pick_quantization, weight_bytes
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampler import Sampler
@@ -73,8 +73,14 @@ class LLMEngine:
         self.quantization, why = pick_quantization(config.quantization, folder=resolved.path,
                                                    device=self.device, dtype=self.dtype)
         logger.info("quantization %s (%s)", self.quantization, why)
+        self.int16_activations, why = pick_int16_activations(
+            config.int16_activations, quantization=self.quantization, dtype=self.dtype)
+        if self.quantization != "none":
+            logger.info("int16 activations %s (%s)", "on" if self.int16_activations else "off",
+                        why)  # fmt: skip
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
-                                hf_config=hf_config, quantization=self.quantization)
+                                hf_config=hf_config, quantization=self.quantization,
+                                int16_activations=self.int16_activations)
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
         if self.device.type == "cpu":

@@ -140,6 +140,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
         elif isinstance(module, QuantLinear):
             if not module.kernel:
                 name = f"int{module.bits} widened every call (no kernel)"
+            elif module.int16_acts:
+                name = f"int{module.bits} int16-activation dot"
             elif dtype == torch.bfloat16 and info.variant == "avx512_bf16":
                 name = f"int{module.bits} dpbf16"
             else:

@@ -11,9 +11,15 @@ import torch
 from kernels.cpu_build import available, ops
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether the compiled ops take ``x``: a bf16 CPU tensor, with the ops built."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and available()
+def supports(x: torch.Tensor, float32: bool = False) -> bool:
+    """Whether the compiled ops take ``x``: a bf16 CPU tensor (float32 too where the caller
+    allows it), with the ops built.
+
+    NOTE: float32 only on request: the one pass sums in another order than transformers'
+    op sequence (~1e-7 relative), and a float32 model is otherwise token-exact with it.
+    """
+    ok = x.dtype == torch.bfloat16 or (float32 and x.dtype == torch.float32)
+    return ok and x.device.type == "cpu" and available()
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,10 @@ in registers:
 - bf16 activations on the avx512_bf16 variant (`csrc/quant_gemm.cpp`): dotted with every
   row by AVX512-BF16's dpbf16 (exact products, float32 sums); steps of many rows widen it
   block by block into cache-sized bf16 tiles.
+- float32 activations rounded to int16 blocks (`csrc/int16_act_gemm.cpp`, where the
+  model runs with int16 activations: `int16_act_linear`): weight values widened to int16
+  and multiplied by AVX2's madd, 16 a instruction; the default for quantized weights on
+  CPUs without bf16 arithmetic.
 - everything else (`csrc/compact_gemm.cpp`, every variant: AVX2, AVX-512, portable):
   each value widened to float32, scaled (plus its min) and multiplied by FMA; float32 or
   bf16 activations; many rows widen blocks into float32 tiles.
@@ -38,6 +42,32 @@ def dpbf16(x: torch.Tensor, variant: str | None = None) -> bool:
     """Whether ``x`` takes the dpbf16 path: bf16, on a variant built with AVX512-BF16
     (asked of the build once per variant, not on every call of the decode step)."""
     return x.dtype == torch.bfloat16 and _has_dpbf16(variant or cpu_isa.info().variant)
+
+
+def int16_act_fast(variant: str | None = None) -> bool:
+    """Whether ``variant``'s build (default this CPU's) has the SIMD int16-activation kernel
+    (AVX2 and up; the portable build computes the same sums in plain C++, slowly)."""
+    return _int16_act_fast(variant or cpu_isa.info().variant)
+
+
+@functools.cache
+def _int16_act_fast(variant: str) -> bool:
+    return available(variant) and bool(ops(variant).int16_act_fast())
+
+
+def int16_act_supports(qw: QuantizedWeight) -> bool:
+    """Whether `int16_act_linear` reads this weight: groups of 16 (int8) or of 32n."""
+    return qw.group % 32 == 0 or (qw.bits == 8 and qw.group == 16)
+
+
+def int16_act_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+                    variant: str | None = None) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` with x [m, k] float32 rounded to int16 blocks of 32
+    values (`kernels.quant.int16_act_matmul_reference` is exactly what it computes, up to
+    float32 sums); [m, n] float32."""
+    out: torch.Tensor = ops(variant).int16_act_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                     qw.bits, qw.group, bias)
+    return out
 
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,

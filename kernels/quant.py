@@ -190,6 +190,41 @@ def _int4_error(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torc
     return ((q * s + m - x) ** 2).sum(-1)
 
 
+ACT_BLOCK = 32  # activation values per int16 scale (kernels/csrc/int16_act_gemm.cpp)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 rows [m, k] (k % 32 == 0) in int16 blocks of 32 values, as the int16-activation
+    kernel rounds them: d = max|x| / 32767 per block, q = round_half_even(x * (1 / d)).
+
+    Returns:
+        q [m, k] (integers -32767..32767, as float32) and d [m, k / 32] float32.
+    """
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    d = blocks.abs().amax(-1) / 32767.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)),
+                      torch.zeros_like(d))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-32767, 32767)
+    return q.reshape(m, k), d
+
+
+def int16_act_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """What the int16-activation kernel computes, in float64: the scaled weight values times
+    x rounded to its int16 blocks, plus (4-bit) each group's min times the exact sum of x
+    over the group."""
+    n, k = qw.shape
+    q, d = quantize_activations(x)
+    xq = (q.double().view(-1, k // ACT_BLOCK, ACT_BLOCK) * d.double().unsqueeze(-1)).view(-1, k)
+    values = unpack_int4(qw.qweight) if qw.bits == 4 else qw.qweight
+    groups = k // qw.group
+    scaled = (values.double().view(n, groups, qw.group) * qw.scales.double().unsqueeze(-1))
+    out = xq @ scaled.view(n, k).T
+    if qw.mins is not None:
+        out = out + x.double().view(-1, groups, qw.group).sum(-1) @ qw.mins.double().T
+    return out
+
+
 def quant_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """``x @ dequantize(qw).T`` in float64: what every quantized kernel is checked against.
 

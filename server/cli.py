@@ -29,6 +29,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("port", int, "port to bind"),
     ("dtype", str, "auto, float32, bfloat16 or float16"),
     ("quantization", str, "weights: auto, none, int8, int4 or gguf"),
+    ("int16-activations", str, "auto, on or off: quantized linears round float32 activations "
+     "to int16 blocks for integer dot products (auto: on CPUs without bf16 arithmetic)"),
     ("kv-cache-dtype", str, "auto (the model's dtype) or bfloat16 (a float32 model on the "
      "CPU: half the KV bytes)"),
     ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),

@@ -27,6 +27,7 @@ class ServeArgs:
     port: int = 8000
     dtype: str = "auto"
     quantization: str = "auto"
+    int16_activations: str = "auto"
     kv_cache_dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
@@ -47,6 +48,7 @@ class ServeArgs:
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
+                    int16_activations=self.int16_activations,
                     kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                     max_num_seqs=self.max_num_seqs,

@@ -33,6 +33,7 @@ def load_model(
     hf_config: Any | None = None,
     pack: bool = True,
     quantization: str = "none",
+    int16_activations: bool = False,
 ) -> CausalLM:
     """Our `CausalLM` for the checkpoint in ``path``, weights loaded, in eval mode.
 
@@ -46,6 +47,8 @@ def load_model(
             kernel where it does not (`can_compact`: AVX2-only CPUs).
         quantization: a method `quantize.pick_quantization` returned: "none", "int8",
             "int4" or "gguf" (the folder's repacked GGUF blocks).
+        int16_activations: whether the quantized linears round float32 activations to int8
+            blocks (`quantize.pick_int16_activations`).
 
     Raises:
         UnsupportedModelError: the model_type is not implemented (named in the message).
@@ -65,7 +68,7 @@ def load_model(
     # tensor at a time and are fused by `quantize_model` where their block types agree.
     if quantization in ("int8", "int4"):
         fuse_projections(model)
-    quantize_model(model, quantization, Path(path))
+    quantize_model(model, quantization, Path(path), int16_activations=int16_activations)
     if pack and can_pack(dtype, torch.device(device)):
         fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)

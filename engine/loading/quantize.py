@@ -13,6 +13,10 @@ Methods (`--quantization`, `LLM(quantization=...)`):
            (every CPU class: bf16 activations by dpbf16 where the CPU has AVX512-BF16,
            float32 FMA elsewhere; what the user installed is what runs); none elsewhere
 
+With float32 activations the quantized linears may also round their input rows to int16
+blocks of 32 values and multiply by integer dot products (`--int16-activations`, see
+`pick_int16_activations`): finer than bf16, at integer speed.
+
 A tied output head and its embedding share one quantized table; the lookup widens only the
 rows it reads. Quantized weights run on the CPU: on CUDA every method but none is refused.
 """
@@ -29,9 +33,10 @@ from torch import nn
 
 from engine.errors import InvalidRequestError
 from engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
+from engine.models.layers import Attention, RMSNorm
 from engine.models.packed_linear import PackedLinear
 from engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
-from kernels import cpu_build
+from kernels import cpu_build, cpu_isa, cpu_quant
 from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 logger = logging.getLogger("ringserve.engine")
@@ -79,11 +84,60 @@ def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
     return name, "asked for"
 
 
-def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
+INT16_ACTIVATIONS = ("auto", "on", "off")
+
+
+def pick_int16_activations(name: str | None, *, quantization: str,
+                          dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the quantized linears round float32 activations to int16 blocks and multiply
+    by integer dot products, and, for the start-up log, why.
+
+    auto: on for quantized weights with float32 activations on a CPU without bf16
+    arithmetic (AVX2-only, AVX-512 without BF16) whose kernels have the SIMD dot product:
+    there the float32 FMA path is compute-bound at ~3x its weight-read time (measured in
+    benchmarks/results/int16_activations.md). Elsewhere bf16 activations (dpbf16) or float32
+    FMA stay, exact to float32.
+
+    Raises:
+        InvalidRequestError: an unknown value, or "on" where no int16-activation path exists
+            (no quantized weights, activations not float32, no compiled kernels); naming
+            ``int16_activations``.
+    """
+    name = (name or "auto").lower()
+    if name not in INT16_ACTIVATIONS:
+        raise InvalidRequestError(f"int16_activations must be one of "
+                                  f"{', '.join(INT16_ACTIVATIONS)}; got {name!r}",
+                                  param="int16_activations")  # fmt: skip
+    if name == "off":
+        return False, "off: asked for"
+    problem = None
+    if quantization == "none":
+        problem = "the weights are not quantized (quantization none)"
+    elif dtype != torch.float32:
+        problem = f"the activations are {str(dtype).removeprefix('torch.')}, not float32"
+    elif not cpu_build.available():
+        problem = "the compiled CPU kernels are not available"
+    if name == "on":
+        if problem:
+            raise InvalidRequestError(f"int16_activations on: {problem}",
+                                      param="int16_activations")
+        return True, "on: asked for"
+    if problem:
+        return False, f"auto: {problem}"
+    if cpu_isa.bf16_arithmetic():
+        return False, "auto: this CPU has bf16 arithmetic; float32 stays float32"
+    if not cpu_quant.int16_act_fast():
+        return False, f"auto: the {cpu_isa.info().variant} kernels have no SIMD int8 dot"
+    return True, f"auto: {cpu_isa.info().cls} CPU without bf16 arithmetic"
+
+
+def quantize_model(model: nn.Module, method: str, folder: Path, *,
+                   int16_activations: bool = False) -> None:
     """Replace the model's linears (and a tied embedding) by quantized ones, in place.
 
     Runs after the weights are loaded and q/k/v and gate/up are fused, before the
-    remaining float linears are packed. ``method`` is what `pick_quantization` returned.
+    remaining float linears are packed. ``method`` is what `pick_quantization` returned;
+    ``int16_activations`` what `pick_int16_activations` did.
     """
     if method == "none":
         return
@@ -101,6 +155,15 @@ def quantize_model(model: nn.Module, method: str, folder: Path) -> None:
 
         replaced = _replace(model, make)
     logger.info("quantization %s: %d linears quantized", method, replaced)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.int16_acts = (int16_activations and module.kernel
+                                 and cpu_quant.int16_act_supports(module.qw))  # fmt: skip
+        elif isinstance(module, (RMSNorm, Attention)):
+            # NOTE: rounded activations already part from float32 transformers at the 1e-5
+            # level, so the norms and rotary may sum in their compiled order too (one pass
+            # instead of ~10 ATen ops each: ~3 ms of a 15 ms gemma-3-270m step on AVX2).
+            module.float32_kernel = int16_activations
     slow = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.kernel]
     dtype = next(iter(model.parameters())).dtype
     if slow or dtype not in (torch.bfloat16, torch.float32):

@@ -25,7 +25,9 @@ class RMSNorm(nn.Module):
     """RMSNorm in fp32. ``plus_one``: Gemma's ``x * (1 + w)``, cast after the multiply.
 
     bf16 CPU tensors take one compiled pass (`kernels.cpu_norm`), multiplying by the weight
-    in float32 before the one rounding; everything else runs transformers' op sequence.
+    in float32 before the one rounding, and so do float32 ones where ``float32_kernel`` is
+    set (a model with int16 activations is no longer bit-faithful to float32 anyway);
+    everything else runs transformers' op sequence.
     """
 
     def __init__(self, dim: int, eps: float, *, plus_one: bool = False) -> None:
@@ -33,6 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.plus_one = plus_one
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.float32_kernel = False  # float32 in the compiled pass too (see cpu_norm.supports)
         self._scale: tuple[int, torch.Tensor] | None = None
 
     def scale(self) -> torch.Tensor:
@@ -44,7 +47,7 @@ class RMSNorm(nn.Module):
         return self._scale[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_norm.supports(x):
+        if cpu_norm.supports(x, self.float32_kernel):
             return cpu_norm.rms_norm(x, self.scale(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -144,6 +147,7 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
+        self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
         self.qk_norm = cfg.gemma
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=True)
@@ -167,7 +171,7 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        if cpu_norm.supports(q):  # one compiled pass each: (q/k norm +) rotary
+        if cpu_norm.supports(q, self.float32_kernel):  # one compiled pass each: (q/k norm +) rotary
             eps = self.q_norm.eps if self.qk_norm else 0.0
             q = cpu_norm.norm_rope(q, self.q_norm.scale() if self.qk_norm else None, cos, sin,
                                    eps)

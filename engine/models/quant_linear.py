@@ -11,6 +11,9 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
   not the weight read, is the cost.
 - float32 or bf16 activations on any other CPU, AVX2 and aarch64 included
   (`kernels/csrc/compact_gemm.cpp`): the same two shapes with float32 FMA.
+- float32 activations rounded to int16 blocks of 32 values (`int16_acts`, the default on
+  CPUs without bf16 arithmetic: `engine.loading.quantize.pick_int16_activations`):
+  integer dot products (`kernels/csrc/int16_act_gemm.cpp`).
 - without a compiler (or float16 activations): the weight is widened to the activations'
   dtype on every call, correct and slow (the start-up log warns). torch's own packed
   low-bit CPU kernels were measured for this place and left out: `_weight_int8pack_mm`
@@ -65,6 +68,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("min_bits", None if qw.mins is None else qw.mins.view(torch.int16))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernel = cpu_quant.supports(qw)
+        # NOTE: float32 activations rounded to int16 blocks for integer dot products
+        # (`kernels/csrc/int16_act_gemm.cpp`); set by `engine.loading.quantize` when chosen.
+        self.int16_acts = False
         self._qw: QuantizedWeight | None = None
 
     @property
@@ -83,7 +89,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.kernel and flat.dtype in (torch.bfloat16, torch.float32):
+        if self.int16_acts and flat.dtype == torch.float32:
+            out = cpu_quant.int16_act_linear(flat, self.qw, self.bias)
+        elif self.kernel and flat.dtype in (torch.bfloat16, torch.float32):
             out = cpu_quant.quant_linear(flat, self.qw, self.bias, TILE_ROWS)
         else:
             out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)

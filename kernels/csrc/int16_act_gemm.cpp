@@ -1,0 +1,331 @@
+// y = x w^T + b for float32 activations over an int8 or 4-bit weight (kernels/quant.py's
+// layout) by integer dot products: each x row is rounded once per call to int16 in blocks
+// of 32 values (one float32 scale a block), weight values are widened to int16 in
+// registers, and AVX2's madd (16 int16 x int16 products summed in pairs to int32) multiplies
+// them; each block's int32 sums are scaled by (weight scale x block scale) into float32.
+//
+// Why: on CPUs without bf16 arithmetic (AVX2-only, AVX-512 without BF16) the float32 FMA
+// path (compact_gemm.cpp) spends ~7 instructions widening 8 weight values to float32 before
+// its FMA, and a decode step is compute-bound at ~3x its weight-read time; here 16 values
+// take one widening and one madd. Why int16 and not int8 activations (llama.cpp's Q8
+// blocks, one maddubs per 32 values): int8 blocks cost gemma-3-270m 3 points of top-1
+// agreement over bf16 activations (94.3% vs 97.4% against float32, KL 10x;
+// benchmarks/results/int16_activations.md); int16 blocks are finer than bf16 (a block's step
+// is 1/65534 of its largest value) at about the same instruction count.
+//
+// Numbers: x block b (values 32b .. 32b + 31) has d_b = max|x| / 32767 and
+// q_j = round_half_even(x_j * (1 / d_b)), |q_j| <= 32767 (d_b = 0: all q_j = 0). Then
+//   int8 weights:  y = sum_b d_b * sum_{j in b} (s_{g(j)} * w_j) * q_j
+//   4-bit weights: y = sum_b d_b * sum_{j in b} (s_{g(j)} * w_j) * q_j + sum_g m_g * X_g
+// where X_g is the float32 sum of the unrounded x over weight group g: the mins see x
+// exactly. Integer sums are exact (|w| <= 128: a block's 32 products stay below 2^27).
+// kernels/quant.py's `int16_act_matmul_reference` computes the same in float64.
+//
+// Weight groups: 16 (GGUF's Q6_K sub-blocks; int8 only) or a multiple of 32.
+// Builds without AVX2 (the portable variant) compute the same sums in plain C++, slowly:
+// `int16_act_fast()` says which, and the engine uses this path only where it is fast.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "ops.h"
+#include "quant_layout.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // x values per int16 scale
+constexpr int64_t kMaxRows = 4;  // x rows a pass over a weight row
+
+struct Acts {
+  std::vector<int16_t> q;   // [m, k]
+  std::vector<float> d;     // [m, k / 32]
+  std::vector<float> gsum;  // [m, gpad]: float32 sums of x over each weight group (4-bit)
+  int64_t k = 0, blocks = 0, gpad = 0;
+};
+
+// Rows of x quantized (and, for 4-bit weights, summed per weight group of `group`).
+Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, bool sums) {
+  Acts a;
+  a.k = k;
+  a.blocks = k / kBlock;
+  a.gpad = sums ? (k / group + 7) / 8 * 8 : 0;
+  a.q.resize(static_cast<size_t>(m * k));
+  a.d.resize(static_cast<size_t>(m * a.blocks));
+  a.gsum.assign(static_cast<size_t>(m * a.gpad), 0.f);
+  at::parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t r = m0; r < m1; ++r) {
+      const float* xr = x + r * k;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const float* v = xr + b * kBlock;
+        float amax = 0.f;
+        for (int64_t t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(v[t]));
+        const float d = amax / 32767.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        a.d[r * a.blocks + b] = d;
+        int16_t* q = a.q.data() + r * k + b * kBlock;
+        // NOTE: nearbyint rounds half to even under the default rounding mode, as
+        // torch.round does in the reference.
+        for (int64_t t = 0; t < kBlock; ++t)
+          q[t] = static_cast<int16_t>(std::clamp(std::nearbyint(v[t] * id), -32767.f, 32767.f));
+      }
+      if (sums)
+        for (int64_t g = 0; g < k / group; ++g) {
+          float s = 0.f;
+          for (int64_t t = 0; t < group; ++t) s += xr[g * group + t];
+          a.gsum[r * a.gpad + g] = s;
+        }
+    }
+  });
+  return a;
+}
+
+struct Weight {
+  const uint8_t* data;  // row r at data + r * row_bytes
+  int64_t row_bytes, k, group, groups, gpad;
+  const c10::Half* scales;  // [n, groups]
+  const c10::Half* mins;    // [n, groups] (4-bit) or null
+};
+
+// A weight row's float16 scales (or mins) as float32, zero-padded to `pad` values.
+inline void widen_halves(const c10::Half* h, int64_t count, int64_t pad, float* out) {
+  int64_t g = 0;
+#if defined(__AVX2__)
+  for (; g + 8 <= count; g += 8)
+    _mm256_storeu_ps(out + g, _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g))));
+#endif
+  for (; g < count; ++g) out[g] = static_cast<float>(h[g]);
+  for (; g < pad; ++g) out[g] = 0.f;
+}
+
+#if defined(__AVX2__)
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
+// 16 weight values of row `row` from value j (j % 16 == 0) as int16: int8 sign-extended;
+// 4-bit from the 32 bytes of their 64-value chunk (value i of a chunk in byte i's low nibble,
+// value 32 + i in byte i's high nibble: kernels/quant.py).
+template <int BITS>
+inline __m256i widen16(const uint8_t* row, int64_t j) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (j >> 6) * 32 + (j & 31))));
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    return _mm256_and_si256((j & 32) ? _mm256_srli_epi16(b, 4) : b, nibble);
+  }
+}
+
+// Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
+template <int BITS, int M, int R>
+inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const float* gs,
+                     int64_t blocks, int64_t r, int64_t n, const float* bias, float* sf,
+                     float* mf, float* out) {
+  const int64_t k = w.k;
+  // NOTE: the rows two calls ahead are fetched now: the hardware prefetcher alone streamed
+  // gemma's head at ~20 GB/s of the machine's 36 (measured: the same rows from cache ran
+  // twice as fast). Past the weight's end the addresses are only hints, never read.
+  const uint8_t* ahead = w.data + (r + 2 * R) * w.row_bytes;
+  for (int64_t o = 0; o < R * w.row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+  const char* sc_ahead = reinterpret_cast<const char*>(w.scales + (r + 2 * R) * w.groups);
+  for (int64_t o = 0; o < R * w.groups * 2; o += 64) _mm_prefetch(sc_ahead + o, _MM_HINT_T0);
+  const uint8_t* rows[R];
+  for (int i = 0; i < R; ++i) {
+    rows[i] = w.data + (r + i) * w.row_bytes;
+    widen_halves(w.scales + (r + i) * w.groups, w.groups, w.groups, sf + i * w.groups);
+    if constexpr (BITS == 4)
+      widen_halves(w.mins + (r + i) * w.groups, w.groups, w.gpad, mf + i * w.gpad);
+  }
+  __m256 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
+  const bool g16 = w.group == 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j = b * kBlock;
+    __m256i lo[R], hi[R];  // the block's values 0-15 and 16-31
+    __m256 slo[R], shi[R];
+    for (int i = 0; i < R; ++i) {
+      lo[i] = widen16<BITS>(rows[i], j);
+      hi[i] = widen16<BITS>(rows[i], j + 16);
+      const float* s = sf + i * w.groups;
+      slo[i] = _mm256_set1_ps(g16 ? s[2 * b] : s[j / w.group]);
+      shi[i] = g16 ? _mm256_set1_ps(s[2 * b + 1]) : slo[i];
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j));
+      const __m256i x1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j + 16));
+      const __m256 d = _mm256_set1_ps(xd[m * blocks + b]);
+      for (int i = 0; i < R; ++i) {
+        const __m256i p0 = _mm256_madd_epi16(lo[i], x0), p1 = _mm256_madd_epi16(hi[i], x1);
+        if (g16) {  // two weight groups: each half its own scale
+          const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), slo[i],
+                                           _mm256_mul_ps(_mm256_cvtepi32_ps(p1), shi[i]));
+          acc[i][m] = _mm256_fmadd_ps(f, d, acc[i][m]);
+        } else {
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+          acc[i][m] = _mm256_fmadd_ps(_mm256_mul_ps(f, slo[i]), d, acc[i][m]);
+        }
+      }
+    }
+  }
+  if constexpr (BITS == 4)
+    for (int64_t g = 0; g < w.gpad; g += 8)
+      for (int i = 0; i < R; ++i) {
+        const __m256 mv = _mm256_loadu_ps(mf + i * w.gpad + g);
+        for (int m = 0; m < M; ++m)
+          acc[i][m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gs + m * w.gpad + g), acc[i][m]);
+      }
+  for (int i = 0; i < R; ++i) {
+    const float bv = bias != nullptr ? bias[r + i] : 0.f;
+    for (int m = 0; m < M; ++m) out[m * n + r + i] = hsum(acc[i][m]) + bv;
+  }
+}
+
+#else  // no AVX2: the same sums in plain C++
+
+template <int BITS, int M, int R>
+inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const float* gs,
+                     int64_t blocks, int64_t r, int64_t n, const float* bias, float* sf,
+                     float* mf, float* out) {
+  const int64_t k = w.k;
+  for (int i = 0; i < R; ++i) {
+    const uint8_t* row = w.data + (r + i) * w.row_bytes;
+    widen_halves(w.scales + (r + i) * w.groups, w.groups, w.groups, sf);
+    if constexpr (BITS == 4) widen_halves(w.mins + (r + i) * w.groups, w.groups, w.gpad, mf);
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        float part = 0.f;  // the block's float sum of its groups' int32 sums
+        for (int64_t j0 = b * kBlock; j0 < (b + 1) * kBlock;) {
+          const int64_t g = j0 / w.group, j1 = std::min((b + 1) * kBlock, (g + 1) * w.group);
+          int32_t dot = 0;
+          for (int64_t j = j0; j < j1; ++j) {
+            const int32_t wq = BITS == 4
+                ? (row[(j >> 6) * 32 + (j & 31)] >> ((j & 32) >> 3)) & 0xF
+                : static_cast<int8_t>(row[j]);
+            dot += wq * xq[m * k + j];
+          }
+          part += static_cast<float>(dot) * sf[g];
+          j0 = j1;
+        }
+        acc += part * xd[m * blocks + b];
+      }
+      if constexpr (BITS == 4)
+        for (int64_t g = 0; g < w.groups; ++g) acc += mf[g] * gs[m * w.gpad + g];
+      out[m * n + r + i] = acc + (bias != nullptr ? bias[r + i] : 0.f);
+    }
+  }
+}
+
+#endif
+
+// Weight rows [n0, n1) for x rows [0, M).
+template <int BITS, int M>
+void dot_block(const Weight& w, const Acts& a, int64_t m0, int64_t n0, int64_t n1, int64_t n,
+               const float* bias, float* sf, float* mf, float* out) {
+  // NOTE: weight rows side by side give one x row independent sums (four with one row);
+  // more would spill AVX2's 16 registers.
+  constexpr int R = M == 1 ? 4 : 2;
+  const int16_t* xq = a.q.data() + m0 * a.k;
+  const float* xd = a.d.data() + m0 * a.blocks;
+  const float* gs = a.gsum.data() + m0 * a.gpad;
+  int64_t r = n0;
+  for (; r + R <= n1; r += R)
+    dot_rows<BITS, M, R>(w, xq, xd, gs, a.blocks, r, n, bias, sf, mf, out + m0 * n);
+  for (; r < n1; ++r)
+    dot_rows<BITS, M, 1>(w, xq, xd, gs, a.blocks, r, n, bias, sf, mf, out + m0 * n);
+}
+
+template <int BITS>
+void run(const Weight& w, const Acts& a, int64_t rows, int64_t n, const float* bias,
+         float* out) {
+  // NOTE: 16 weight rows a task at least; blocks of 64 weight rows (20-40 KiB for k = 640)
+  // stay in cache across the passes of kMaxRows x rows.
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(static_cast<size_t>(4 * w.groups + 8)), mf(4 * w.gpad + 8);
+    for (int64_t b0 = begin; b0 < end; b0 += 64) {
+      const int64_t b1 = std::min(end, b0 + 64);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows)
+        ringserve::with_rows<kMaxRows>(rows - m0, [&](auto mr) {
+          dot_block<BITS, decltype(mr)::value>(w, a, m0, b0, b1, n, bias, sf.data(),
+                                               mf.data(), out);
+        });
+    }
+  });
+}
+
+// x: [m, k] float32; weight, scales, mins: kernels/quant.py's int8 / 4-bit layout with a
+// group of 16 (int8) or a multiple of 32; bias: [n] or None. Returns [m, n] float32.
+at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
+                           const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                           int64_t bits, int64_t group, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "int16_act_linear: x must be float32 [m, k]");
+  const int64_t k = x.size(1), n = qweight.size(0), rows = x.size(0);
+  ringserve::check_layout(qweight, scales, mins, bits, group, k);
+  TORCH_CHECK(group % kBlock == 0 || (bits == 8 && group == 16),
+              "int16_act_linear: the weight group must be a multiple of 32 (or 16 for int8)");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "int16_act_linear: bias must be [n]");
+  const at::Tensor xf = x.contiguous();
+  const std::optional<at::Tensor> bf =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
+                       : std::nullopt;
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const Acts a = quantize_acts(xf.data_ptr<float>(), rows, k, group, bits == 4);
+  Weight w{};
+  w.data = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  w.row_bytes = bits == 8 ? k : k / 2;
+  w.k = k;
+  w.group = group;
+  w.groups = k / group;
+  w.gpad = a.gpad;
+  w.scales = scales.data_ptr<c10::Half>();
+  w.mins = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
+  const float* bp = bf.has_value() ? bf->data_ptr<float>() : nullptr;
+  if (bits == 8)
+    run<8>(w, a, rows, n, bp, out.data_ptr<float>());
+  else
+    run<4>(w, a, rows, n, bp, out.data_ptr<float>());
+  return out;
+}
+
+// Whether this build multiplies with SIMD integer dot products (AVX2 and up), as opposed
+// to the plain C++ sums of the portable build.
+bool int16_act_fast() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
+  m.def("int16_act_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
+        "int group, Tensor? bias) -> Tensor");
+  m.def("int16_act_fast() -> bool", &int16_act_fast);
+}
+
+RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("int16_act_linear", &int16_act_linear); }

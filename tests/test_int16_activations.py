@@ -1,0 +1,214 @@
+"""float32 activations rounded to int16 blocks over quantized weights (integer dot products).
+
+References: the kernel against a float64 computation of the same rounding
+(`int16_act_matmul_reference`), that reference against the float64 product of the
+unrounded x within the rounding's own bound, and whole models against transformers running
+the very weights we quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.loading import load_model
+from engine.loading.quantize import pick_int16_activations
+from engine.models.quant_linear import QuantLinear
+from kernels import cpu_build, cpu_isa, cpu_quant
+from kernels.quant import (
+    QuantizedWeight,
+    dequantize,
+    int16_act_matmul_reference,
+    quant_matmul_reference,
+    quantize_activations,
+    quantize_int4,
+    quantize_int8,
+)
+from tests.model_harness import RingHarness
+from tests.test_quant import agreement, transformers_with
+from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
+
+kernel_only = pytest.mark.skipif(not cpu_build.available(),
+                                 reason="the compiled CPU kernels need a C++ compiler")
+# int8 per 16 (GGUF's Q6_K), per 32, per output channel; 4-bit per 32 (Q4_K) and 64
+LAYOUTS = [("int8", 16), ("int8", 32), ("int8", None), ("int4", 32), ("int4", 64)]
+
+
+def make(kind: str, group: int | None, weight: torch.Tensor) -> QuantizedWeight:
+    if kind == "int8":
+        return quantize_int8(weight, group)
+    return quantize_int4(weight, group or 32, search=False)
+
+
+def bound(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float32 summation over k of the magnitudes the kernel adds."""
+    q, d = quantize_activations(x)
+    k = x.shape[1]
+    xq = (q.double().view(-1, k // 32, 32) * d.double().unsqueeze(-1)).view(-1, k)
+    mag = xq.abs() @ dequantize(qw).double().abs().T
+    if qw.mins is not None:
+        sums = x.double().abs().view(-1, k // qw.group, qw.group).sum(-1)
+        mag = mag + sums @ qw.mins.double().abs().T
+    return mag * 2**-18 + 1e-6
+
+
+@kernel_only
+@pytest.mark.parametrize("k", [640, 2048, 576])
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_kernel_matches_its_float64_reference(cpu_variant: str, k: int, kind: str,
+                                              group: int | None) -> None:
+    if k % (group or k) or (kind == "int4" and k % 64):
+        pytest.skip(f"{kind} group {group} does not divide k={k}")
+    torch.manual_seed(k)
+    qw = make(kind, group, torch.randn(75, k) * 0.05)
+    bias = torch.randn(75)
+    for rows in (1, 2, 3, 4, 5, 9, 13):  # passes of 4 x rows, 4 / 2 / 1 weight rows a pass
+        x = torch.randn(rows, k)
+        x[:, 7] *= 40.0  # an outlier channel: its block's scale is coarse
+        x[0, 64:96] = 0.0  # an all-zero block (d = 0)
+        out = cpu_quant.int16_act_linear(x, qw, bias, variant=cpu_variant)
+        assert out.dtype == torch.float32 and out.shape == (rows, 75)
+        ref = int16_act_matmul_reference(x, qw) + bias.double()
+        err = (out.double() - ref).abs()
+        assert bool((err <= bound(x, qw)).all()), err.max()
+        # the rounding is real: the unrounded product is farther off than the kernel
+        full = quant_matmul_reference(x, qw) + bias.double()
+        assert (full - ref).abs().max() > 4 * err.max()
+
+
+def test_reference_within_the_roundings_bound() -> None:
+    """|sum w (x - xq)| <= sum |w| d / 2: each x value moves by at most half its block's step."""
+    torch.manual_seed(3)
+    for kind, group in LAYOUTS:
+        qw = make(kind, group, torch.randn(40, 640) * 0.05)
+        x = torch.randn(6, 640) * torch.rand(6, 640) * 3
+        _, d = quantize_activations(x)
+        step = d.double().repeat_interleave(32, dim=1) / 2
+        limit = step @ dequantize(qw).double().abs().T
+        diff = (int16_act_matmul_reference(x, qw) - quant_matmul_reference(x, qw)).abs()
+        assert bool((diff <= limit * (1 + 1e-9) + 1e-9).all())
+
+
+def test_activation_blocks() -> None:
+    x = torch.tensor([[0.5] * 31 + [-2.0] + [0.0] * 32])
+    q, d = quantize_activations(x)
+    assert d[0].tolist() == [pytest.approx(2.0 / 32767), 0.0]
+    assert q[0, 31] == -32767 and q[0, 0] == round(0.5 * 32767 / 2.0) and not q[0, 32:].any()
+
+
+@kernel_only
+def test_int8_weights_of_minus_128(cpu_variant: str) -> None:
+    """GGUF's Q8_0 holds -128 (our quantizer never makes it): |w| = 128 is still exact."""
+    qw = QuantizedWeight(8, 32, torch.full((4, 64), -128, dtype=torch.int8),
+                         torch.full((4, 2), 0.01, dtype=torch.float16))
+    x = torch.full((1, 64), 3.0)
+    out = cpu_quant.int16_act_linear(x, qw, None, variant=cpu_variant)
+    torch.testing.assert_close(out.double(), int16_act_matmul_reference(x, qw), rtol=1e-6,
+                               atol=1e-6)
+
+
+@kernel_only
+def test_kernel_refuses_what_it_cannot_read(cpu_variant: str) -> None:
+    ops = cpu_build.ops(cpu_variant)
+    qw = quantize_int8(torch.randn(8, 96), 48)
+    with pytest.raises(RuntimeError, match="group"):
+        ops.int16_act_linear(torch.randn(1, 96), qw.qweight, qw.scales, None, 8, 48, None)
+    qw = quantize_int8(torch.randn(8, 64), 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int16_act_linear(torch.randn(1, 64).bfloat16(), qw.qweight, qw.scales, None, 8,
+                            32, None)
+    assert not cpu_quant.int16_act_supports(quantize_int8(torch.randn(8, 96), 48))
+    assert cpu_quant.int16_act_supports(quantize_int8(torch.randn(8, 96), 16))
+
+
+# -- choosing it --------------------------------------------------------------------------
+
+def _as_class(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
+    real = cpu_isa.info()
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls=cls))
+
+
+@kernel_only
+@pytest.mark.parametrize("cls", ["portable", "avx2", "avx512", "avx512_bf16"])
+def test_auto_follows_the_cpu_class(monkeypatch: pytest.MonkeyPatch, cls: str) -> None:
+    if cls not in cpu_isa.runnable_variants():
+        pytest.skip(f"this CPU ({cpu_isa.info().cls}) cannot run the {cls} kernels")
+    _as_class(monkeypatch, cls)
+    on, why = pick_int16_activations("auto", quantization="gguf", dtype=torch.float32)
+    # portable has no SIMD dot; avx512_bf16 has bf16 arithmetic for its activations
+    assert on == (cls in ("avx2", "avx512")), why
+    assert not pick_int16_activations("auto", quantization="none", dtype=torch.float32)[0]
+    assert not pick_int16_activations("auto", quantization="int4", dtype=torch.bfloat16)[0]
+    assert not pick_int16_activations("off", quantization="int4", dtype=torch.float32)[0]
+    assert pick_int16_activations("ON", quantization="int4", dtype=torch.float32)[0]
+
+
+@pytest.mark.parametrize(("value", "quantization", "dtype", "says"), [
+    ("yes", "int4", torch.float32, "one of"),
+    ("on", "none", torch.float32, "not quantized"),
+    ("on", "int8", torch.bfloat16, "bfloat16"),
+])
+def test_refused_naming_the_option(value: str, quantization: str, dtype: torch.dtype,
+                                   says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=says) as err:
+        pick_int16_activations(value, quantization=quantization, dtype=dtype)
+    assert err.value.param == "int16_activations"
+
+
+# -- whole models -------------------------------------------------------------------------
+
+@kernel_only
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_model_close_to_transformers(tmp_path: pathlib.Path, kind: str,
+                                     cpu_variant: str) -> None:
+    """As close to transformers running the same quantized weights in float32 as bf16
+    activations are (the path AVX512-BF16 CPUs serve), past the window and in chunks."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    ids = random_tokens(160, seed=5)
+    with torch.no_grad():
+        expected = transformers_with(path, kind)(torch.tensor([ids])).logits[0]
+        plain_fp32 = hf_reference(path)(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.float32, quantization=kind, int16_activations=True)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.int16_acts for m in layers)
+    got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
+    plain_bf16 = RingHarness(load_model(path, dtype=torch.bfloat16), B, 160).logits_in_chunks(
+        ids, [W, 1, 1, 2 * W])
+    top1, kl = agreement(got, expected)
+    base_top1, base_kl = agreement(plain_bf16, plain_fp32)
+    assert top1 >= min(0.9, base_top1 - 0.05) and kl <= 3 * base_kl + 1e-5, (
+        top1, kl, base_top1, base_kl)
+    # and the rounding is on: the float32 FMA path is much closer
+    exact = load_model(path, dtype=torch.float32, quantization=kind)
+    fma = RingHarness(exact, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
+    assert (fma - expected).abs().max() < (got - expected).abs().max() / 10
+
+
+@kernel_only
+def test_engine_serves_with_int16_activations(tmp_path: pathlib.Path, cpu_variant: str,
+                                             engines: list[LLM]) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    kw = {"dtype": "float32", "quantization": "int4", "kv_cache_memory": "4MiB",
+          "max_model_len": 128}
+    llm = LLM(str(path), **kw)
+    engines.append(llm)
+    auto = cpu_variant in ("avx2", "avx512")
+    assert llm.engine.int16_activations == auto
+    modules = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert all(m.int16_acts == auto for m in modules)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    forced = LLM(str(path), int16_activations="on", **kw)
+    engines.append(forced)
+    off = LLM(str(path), int16_activations="off", **kw)
+    engines.append(off)
+    prompts = [list(range(3, 60)), [5, 9, 2]]
+    a = [o.outputs[0].token_ids for o in forced.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert all(len(t) == 40 for t in a)
+    # a random tiny model's greedy path parts where logits nearly tie; the first tokens agree
+    assert a[0][:4] == b[0][:4] and a[1][:4] == b[1][:4], (a, b)
