@@ -179,7 +179,11 @@ def test_start_up_log_names_class_kernels_and_threads(
     assert "threads 2 (cgroup CPU quota 2 of 64 CPUs in the affinity mask)" in text
     assert f"CPU class {cpu_isa.info().cls}" in text
     assert f"{cpu_isa.info().variant} kernels" in text
-    assert "float32 FMA" in text or "dpbf16" in text
+    # dtype auto: bf16 by dpbf16 with bf16 arithmetic, int16 activations where the build has
+    # the SIMD dot, float32 FMA on the portable build
+    path_taken = {"avx2": "int8 int16-activation dot", "avx512": "int8 int16-activation dot",
+                  "portable": "int8 float32 FMA"}.get(cpu_isa.info().cls, "int8 dpbf16")
+    assert f"linears: 17 {path_taken}" in text
 
 
 # -- every dtype and quantization either serves or is refused by name ---------------------
