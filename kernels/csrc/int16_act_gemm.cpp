@@ -120,19 +120,36 @@ inline float hsum(__m256 v) {
 }
 
 // Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
-// 16 weight values of row `row` from value j (j % 16 == 0) as int16: int8 sign-extended;
-// 4-bit from the 32 bytes of their 64-value chunk (value i of a chunk in byte i's low nibble,
-// value 32 + i in byte i's high nibble: kernels/quant.py).
-template <int BITS>
-inline __m256i widen16(const uint8_t* row, int64_t j) {
-  if constexpr (BITS == 8) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j)));
-  } else {
-    const __m256i b = _mm256_cvtepu8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (j >> 6) * 32 + (j & 31))));
-    const __m256i nibble = _mm256_set1_epi16(0x0F);
-    return _mm256_and_si256((j & 32) ? _mm256_srli_epi16(b, 4) : b, nibble);
+// The 32 values of block b of R weight rows, as int16 in two halves (values 0-15, 16-31),
+// dotted with block b of M x rows into acc, each half scaled by its weight group's scale
+// (slo, shi: equal unless the group is 16) and the block by the x block's scale.
+template <int M, int R>
+inline void mul_block(const __m256i* lo, const __m256i* hi, const __m256* slo,
+                      const __m256* shi, bool g16, const int16_t* xq, const float* xd,
+                      int64_t k, int64_t blocks, int64_t b, __m256 (&acc)[R][M]) {
+  const int64_t j = b * kBlock;
+  for (int m = 0; m < M; ++m) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j));
+    const __m256i x1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j + 16));
+    const __m256 d = _mm256_set1_ps(xd[m * blocks + b]);
+    for (int i = 0; i < R; ++i) {
+      const __m256i p0 = _mm256_madd_epi16(lo[i], x0), p1 = _mm256_madd_epi16(hi[i], x1);
+      if (g16) {  // two weight groups: each half its own scale
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), slo[i],
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(p1), shi[i]));
+        acc[i][m] = _mm256_fmadd_ps(f, d, acc[i][m]);
+      } else {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+        acc[i][m] = _mm256_fmadd_ps(_mm256_mul_ps(f, slo[i]), d, acc[i][m]);
+      }
+    }
   }
+}
+
+inline __m256i load16_epi16(const uint8_t* p, bool is_signed) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
 }
 
 // Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
@@ -143,11 +160,13 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   const int64_t k = w.k;
   // NOTE: the rows two calls ahead are fetched now: the hardware prefetcher alone streamed
   // gemma's head at ~20 GB/s of the machine's 36 (measured: the same rows from cache ran
-  // twice as fast). Past the weight's end the addresses are only hints, never read.
-  const uint8_t* ahead = w.data + (r + 2 * R) * w.row_bytes;
-  for (int64_t o = 0; o < R * w.row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
-  const char* sc_ahead = reinterpret_cast<const char*>(w.scales + (r + 2 * R) * w.groups);
-  for (int64_t o = 0; o < R * w.groups * 2; o += 64) _mm_prefetch(sc_ahead + o, _MM_HINT_T0);
+  // twice as fast). Prefetches never fault; the range stops at the weight's end.
+  const int64_t ahead = std::min(r + 2 * R, n);
+  const int64_t ahead_rows = std::min<int64_t>(R, n - ahead);
+  const char* wp = reinterpret_cast<const char*>(w.data + ahead * w.row_bytes);
+  for (int64_t o = 0; o < ahead_rows * w.row_bytes; o += 64) _mm_prefetch(wp + o, _MM_HINT_T0);
+  const char* sp = reinterpret_cast<const char*>(w.scales + ahead * w.groups);
+  for (int64_t o = 0; o < ahead_rows * w.groups * 2; o += 64) _mm_prefetch(sp + o, _MM_HINT_T0);
   const uint8_t* rows[R];
   for (int i = 0; i < R; ++i) {
     rows[i] = w.data + (r + i) * w.row_bytes;
@@ -159,33 +178,40 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   for (int i = 0; i < R; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
   const bool g16 = w.group == 16;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t j = b * kBlock;
-    __m256i lo[R], hi[R];  // the block's values 0-15 and 16-31
-    __m256 slo[R], shi[R];
-    for (int i = 0; i < R; ++i) {
-      lo[i] = widen16<BITS>(rows[i], j);
-      hi[i] = widen16<BITS>(rows[i], j + 16);
-      const float* s = sf + i * w.groups;
-      slo[i] = _mm256_set1_ps(g16 ? s[2 * b] : s[j / w.group]);
-      shi[i] = g16 ? _mm256_set1_ps(s[2 * b + 1]) : slo[i];
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j));
-      const __m256i x1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + j + 16));
-      const __m256 d = _mm256_set1_ps(xd[m * blocks + b]);
+  __m256i lo[R], hi[R];
+  __m256 slo[R], shi[R];
+  if constexpr (BITS == 4) {
+    // A 64-value chunk's 32 bytes hold block b in their low nibbles and block b + 1 in their
+    // high nibbles (kernels/quant.py): bytes 0-15 and 16-31 widened once give both.
+    __m256i lo1[R], hi1[R];
+    __m256 s1[R];
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const int64_t j = b * kBlock;
+      const __m256i nibble = _mm256_set1_epi16(0x0F);
       for (int i = 0; i < R; ++i) {
-        const __m256i p0 = _mm256_madd_epi16(lo[i], x0), p1 = _mm256_madd_epi16(hi[i], x1);
-        if (g16) {  // two weight groups: each half its own scale
-          const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), slo[i],
-                                           _mm256_mul_ps(_mm256_cvtepi32_ps(p1), shi[i]));
-          acc[i][m] = _mm256_fmadd_ps(f, d, acc[i][m]);
-        } else {
-          const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
-          acc[i][m] = _mm256_fmadd_ps(_mm256_mul_ps(f, slo[i]), d, acc[i][m]);
-        }
+        const __m256i a = load16_epi16(rows[i] + j / 2, false);
+        const __m256i c = load16_epi16(rows[i] + j / 2 + 16, false);
+        lo[i] = _mm256_and_si256(a, nibble);
+        hi[i] = _mm256_and_si256(c, nibble);
+        lo1[i] = _mm256_srli_epi16(a, 4);
+        hi1[i] = _mm256_srli_epi16(c, 4);
+        slo[i] = _mm256_set1_ps(sf[i * w.groups + j / w.group]);
+        s1[i] = _mm256_set1_ps(sf[i * w.groups + (j + kBlock) / w.group]);
       }
+      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
+      mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
+    }
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t j = b * kBlock;
+      for (int i = 0; i < R; ++i) {
+        lo[i] = load16_epi16(rows[i] + j, true);
+        hi[i] = load16_epi16(rows[i] + j + 16, true);
+        const float* s = sf + i * w.groups;
+        slo[i] = _mm256_set1_ps(g16 ? s[2 * b] : s[j / w.group]);
+        shi[i] = g16 ? _mm256_set1_ps(s[2 * b + 1]) : slo[i];
+      }
+      mul_block<M, R>(lo, hi, slo, shi, g16, xq, xd, k, blocks, b, acc);
     }
   }
   if constexpr (BITS == 4)
