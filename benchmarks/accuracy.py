@@ -148,13 +148,15 @@ def text_tokens(tokenizer: Any, text: str, count: int) -> list[int]:
     return ids[:count]
 
 
-def served_model(path: Path, variant: Variant, max_len: int, block_size: int) -> CausalLM:
-    """The model ``LLM(path, **variant.llm_kwargs)`` loads and serves (on the CPU)."""
+def served_model(path: Path, variant: Variant, max_len: int,
+                 block_size: int) -> tuple[CausalLM, torch.dtype]:
+    """The model ``LLM(path, **variant.llm_kwargs)`` loads and serves (on the CPU), and the
+    dtype of its KV cache."""
     kwargs = {k: v for k, v in variant.llm_kwargs.items() if k != "cpu_isa"}
     llm = LLM(model=str(path), **{"device": "cpu", "block_size": block_size,
                                   "kv_cache_memory": "256MiB", "max_num_seqs": 1,
                                   "max_model_len": max_len, **kwargs})
-    return llm.engine.model
+    return llm.engine.model, llm.engine.kv_dtype
 
 
 @contextlib.contextmanager
@@ -176,8 +178,8 @@ def variant_logits(path: Path, variant: Variant, tokens: list[int], chunk: int,
                    block_size: int) -> torch.Tensor:
     """Logits at every position of ``tokens`` through the model the variant's LLM serves."""
     with cpu_class(variant.llm_kwargs.get("cpu_isa")):
-        model = served_model(path, variant, len(tokens) + 1, block_size)
-        return teacher_forced_logits(model, tokens, chunk, block_size)
+        model, kv_dtype = served_model(path, variant, len(tokens) + 1, block_size)
+        return teacher_forced_logits(model, tokens, chunk, block_size, kv_dtype)
 
 
 def run(model: str, text: str, variants: list[Variant], *, tokens: int, chunk: int,

@@ -23,8 +23,9 @@ class EngineConfig:
         int16_activations: "auto", "on" or "off": whether quantized linears round float32
             activations to int16 blocks for integer dot products (auto: on CPUs without
             bf16 arithmetic; see `engine.loading.quantize.pick_int16_activations`).
-        kv_cache_dtype: "auto" (the model's dtype) or "bfloat16": a float32 model on the
-            CPU keeping its KV cache in bf16 (half the bytes a block, twice the sequences).
+        kv_cache_dtype: "auto" (the model's dtype; bf16 where int16 activations are on) or
+            "bfloat16": a float32 model on the CPU keeping its KV cache in bf16 (half the
+            bytes a block, twice the sequences).
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool ("2GiB"); None = the device default (CPU:

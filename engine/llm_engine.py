@@ -63,10 +63,6 @@ class LLMEngine:
         hf_config = load_hf_config(resolved.path)
         self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
-        self.kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        if self.kv_dtype != self.dtype:
-            logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."),
-                        why)  # fmt: skip
         if self.device.type == "cpu":
             cpu_build.available()  # build the CPU kernels now, not at the first request
         self.tokenizer = load_tokenizer(resolved.path)
@@ -77,6 +73,11 @@ class LLMEngine:
             config.int16_activations, quantization=self.quantization, dtype=self.dtype)
         if self.quantization != "none":
             logger.info("int16 activations %s (%s)", "on" if self.int16_activations else "off",
+                        why)  # fmt: skip
+        self.kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device,
+                                           int16_activations=self.int16_activations)
+        if self.kv_dtype != self.dtype:
+            logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."),
                         why)  # fmt: skip
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config, quantization=self.quantization,

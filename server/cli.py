@@ -31,7 +31,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("quantization", str, "weights: auto, none, int8, int4 or gguf"),
     ("int16-activations", str, "auto, on or off: quantized linears round float32 activations "
      "to int16 blocks for integer dot products (auto: on CPUs without bf16 arithmetic)"),
-    ("kv-cache-dtype", str, "auto (the model's dtype) or bfloat16 (a float32 model on the "
+    ("kv-cache-dtype", str, "auto (the model's dtype; bf16 under int16 activations) or "
+     "bfloat16 (a float32 model on the "
      "CPU: half the KV bytes)"),
     ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),
     ("block-size", int, "tokens per KV block"),

@@ -21,10 +21,10 @@ class RingHarness:
     """One model, one KV manager (debug mode), NaN-poisoned caches."""
 
     def __init__(self, model: CausalLM, block_size: int, max_tokens: int,
-                 num_seqs: int = 1) -> None:
+                 num_seqs: int = 1, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         cfg = model.config
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype  # the caches' dtype
         self.spec = kv_cache_spec(cfg, block_size, dtype)
         blocks = self.spec.pool_blocks_needed(max_tokens) * num_seqs
         self.kv = KVCacheManager(self.spec, blocks, max_model_len=max_tokens, debug=True)
@@ -83,15 +83,16 @@ class RingHarness:
 
 
 def teacher_forced_logits(model: CausalLM, tokens: Sequence[int], chunk: int,
-                          block_size: int = 16) -> torch.Tensor:
+                          block_size: int = 16,
+                          kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """fp32 logits [len(tokens), vocab] at every position of ``tokens``, fed through the
-    ring in prefill chunks of ``chunk`` tokens (a `RingHarness`: NaN-poisoned caches, every
-    cached read checked).
+    ring in prefill chunks of ``chunk`` tokens (a `RingHarness`: NaN-poisoned caches in
+    ``kv_dtype``, default the model's, every cached read checked).
 
     Raises:
         RuntimeError: a read of an overwritten slot, or a logit that is not finite.
     """
-    harness = RingHarness(model, block_size, len(tokens))
+    harness = RingHarness(model, block_size, len(tokens), kv_dtype=kv_dtype)
     logits = harness.logits_in_chunks(tokens, [chunk])
     misses = harness.kv.stats().read_misses
     if misses or not bool(torch.isfinite(logits).all()):

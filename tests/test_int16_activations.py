@@ -199,6 +199,8 @@ def test_engine_serves_with_int16_activations(tmp_path: pathlib.Path, cpu_varian
     engines.append(llm)
     auto = cpu_variant in ("avx2", "avx512")
     assert llm.engine.int16_activations == auto
+    # and with them a bf16 KV cache: twice the blocks of the float32 cache in the same memory
+    assert llm.engine.kv_dtype == (torch.bfloat16 if auto else torch.float32)
     modules = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
     assert all(m.int16_acts == auto for m in modules)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -207,8 +209,22 @@ def test_engine_serves_with_int16_activations(tmp_path: pathlib.Path, cpu_varian
     off = LLM(str(path), int16_activations="off", **kw)
     engines.append(off)
     prompts = [list(range(3, 60)), [5, 9, 2]]
+    assert forced.engine.kv_dtype == torch.bfloat16 and off.engine.kv_dtype == torch.float32
+    assert forced.engine.kv.pool.num_blocks == 2 * off.engine.kv.pool.num_blocks
     a = [o.outputs[0].token_ids for o in forced.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
     assert all(len(t) == 40 for t in a)
     # a random tiny model's greedy path parts where logits nearly tie; the first tokens agree
     assert a[0][:4] == b[0][:4] and a[1][:4] == b[1][:4], (a, b)
+
+
+def test_kv_cache_dtype_follows_int16_activations() -> None:
+    from engine.startup import pick_kv_dtype
+
+    cpu = torch.device("cpu")
+    assert pick_kv_dtype("auto", torch.float32, cpu, int16_activations=True)[0] == torch.bfloat16
+    assert pick_kv_dtype("auto", torch.float32, cpu)[0] == torch.float32
+    assert pick_kv_dtype("float32", torch.float32, cpu,
+                         int16_activations=True)[0] == torch.float32  # asked for: kept
+    assert pick_kv_dtype("auto", torch.bfloat16, cpu,
+                         int16_activations=True)[0] == torch.bfloat16
