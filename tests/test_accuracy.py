@@ -48,10 +48,10 @@ def bf16_agreement(path: pathlib.Path, ref: torch.Tensor, ids: list[int],
                    breaker: Breaker | None = None) -> Agreement:
     """The served bf16 model (optionally broken by ``breaker``) against float32 logits."""
     variant = Variant("bfloat16", {"dtype": "bfloat16", "kv_cache_memory": "16MiB"})
-    model = served_model(path, variant, len(ids) + 1, B)
+    model, kv_dtype = served_model(path, variant, len(ids) + 1, B)
     if breaker is not None:
         breaker(model)
-    logits = teacher_forced_logits(model, ids, CHUNK, B)
+    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
     return compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
 
 

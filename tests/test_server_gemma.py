@@ -19,7 +19,8 @@ from tests.tiny_models import make_checkpoint
 def test_gemma_270m_serves_a_coherent_completion(tmp_path: pathlib.Path) -> None:
     path = preset_path("gemma-3-270m")
     flags = ("--served-model-name", "gemma-3-270m", "--max-model-len", "2048",
-             "--kv-cache-memory", "512MiB", "--dtype", "float32")
+             "--kv-cache-memory", "512MiB", "--dtype", "float32",
+             "--kv-cache-dtype", "float32")  # auto is bf16 where int16 activations are on
     with run_server(path, *flags, log_dir=tmp_path) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         r = client.completions.create(
