@@ -34,6 +34,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "qwen2": (None, W, W),  # layers below max_window_layers stay full
         "phi3": (W, W),
         "gemma3_text": (W, W, None, W),
+        "gemma2": (W, None, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

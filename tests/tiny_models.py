@@ -50,6 +50,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
         tie_word_embeddings=True, final_logit_softcapping=30.0)),
+    # NOTE: soft-caps small enough to bend these random weights' scores and logits, so a
+    # model that ignored them would fail the comparisons
+    "gemma2": ("Gemma2Config", dict(
+        num_hidden_layers=4, sliding_window=W, head_dim=16, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        tie_word_embeddings=True, attn_logit_softcapping=0.2, final_logit_softcapping=1.0)),
 }
 
 

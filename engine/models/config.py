@@ -51,7 +51,10 @@ class ModelConfig:
     attn_scale: float = 0.0  # 0 = head_dim ** -0.5
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    gemma: bool = False  # (1 + w) RMSNorm, scaled embedding, q/k norms, four norms a layer
+    norm_plus_one: bool = False  # RMSNorm multiplies by (1 + w) (Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP: four a layer
+    qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3)
     eos_token_ids: tuple[int, ...] = ()
 
     @property
@@ -60,7 +63,7 @@ class ModelConfig:
 
     @property
     def embed_scale(self) -> float:
-        return math.sqrt(self.hidden_size) if self.gemma else 1.0
+        return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
 
 
 def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
@@ -84,7 +87,7 @@ def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
     window: int | None = getattr(cfg, "sliding_window", None)
     if model_type in ("mistral", "phi3"):  # one window for every layer, if set
         return (window,) * n
-    if model_type in ("qwen2", "gemma3_text"):  # per layer, from layer_types
+    if model_type in ("qwen2", "gemma2", "gemma3_text"):  # per layer, from layer_types
         types = list(cfg.layer_types)
         for t in types:
             if t not in ("sliding_attention", "full_attention"):
@@ -115,15 +118,15 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in ("gemma2", "gemma3_text")
     if gemma and getattr(cfg, "use_bidirectional_attention", False):
         raise UnsupportedConfigError("use_bidirectional_attention is not implemented")
     windows = _windows(cfg, model_type)
     # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
-    attention_bias = model_type in ("llama", "gemma3_text") and bool(
+    attention_bias = model_type in ("llama", "gemma2", "gemma3_text") and bool(
         getattr(cfg, "attention_bias", False)
     )
-    if gemma:
+    if model_type == "gemma3_text":  # local and global layers rotate by their own base
         ropes = tuple(
             _rope(cfg.rope_parameters["sliding_attention" if w else "full_attention"], "gemma")
             for w in windows
@@ -151,9 +154,12 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else 0.0,
         attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
         final_softcap=getattr(cfg, "final_logit_softcapping", None),
-        gemma=gemma,
+        norm_plus_one=gemma,
+        scale_embeddings=gemma,
+        sandwich_norms=gemma,
+        qk_norm=model_type == "gemma3_text",
         eos_token_ids=_eos(cfg),
     )
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text")

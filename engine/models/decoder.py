@@ -18,15 +18,15 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
-        eps, plus_one = cfg.rms_norm_eps, cfg.gemma
+        eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
         self.self_attn = Attention(cfg, layer, group)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
-        self.sandwich = cfg.gemma  # norms after attention and around the MLP
+        self.sandwich = cfg.sandwich_norms  # norms after attention and around the MLP
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=True)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=True)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
 
     def forward(
         self,
@@ -52,7 +52,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, g) for i, g in enumerate(layer_groups)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=cfg.gemma)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
 
 class CausalLM(nn.Module):
@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
                 kv_caches: KVCaches) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm, caches updated."""
         x = self.model.embed_tokens(input_ids)
-        if self.config.gemma:
+        if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         tables = [rot.cos_sin(batch.positions, batch.max_position, x.dtype)
                   for rot in self._rotaries]

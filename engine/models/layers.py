@@ -148,10 +148,10 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
         self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
-        self.qk_norm = cfg.gemma
+        self.qk_norm = cfg.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=True)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=True)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
     def forward(
         self,
