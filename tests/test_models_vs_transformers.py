@@ -35,6 +35,8 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "phi3": (W, W),
         "gemma3_text": (W, W, None, W),
         "gemma2": (W, None, W, None),
+        "olmo3": (W, W, W, None),
+        "exaone4": (W, W, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

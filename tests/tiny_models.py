@@ -57,6 +57,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                      "full_attention"],
         tie_word_embeddings=True, attn_logit_softcapping=0.2, final_logit_softcapping=1.0)),
+    # q/k norms over the whole projections, post-norm blocks, a rotary base per layer type
+    "olmo3": ("Olmo3Config", dict(
+        num_hidden_layers=4, sliding_window=W,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 5e5}})),
+    # per-head q/k norms, post-norm blocks, no rotary on the full layers
+    "exaone4": ("Exaone4Config", dict(
+        num_hidden_layers=4, sliding_window=W, sliding_window_pattern=4,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"])),
 }
 
 

@@ -42,7 +42,7 @@ class ModelConfig:
     rms_norm_eps: float
     hidden_act: str
     layer_windows: tuple[int | None, ...]
-    layer_ropes: tuple[RopeConfig, ...]
+    layer_ropes: tuple[RopeConfig | None, ...]  # None: no rotary on that layer (NoPE)
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
@@ -53,8 +53,11 @@ class ModelConfig:
     final_softcap: float | None = None
     norm_plus_one: bool = False  # RMSNorm multiplies by (1 + w) (Gemma)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
-    sandwich_norms: bool = False  # norms after attention and around the MLP: four a layer
-    qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3)
+    # where a layer's RMSNorms sit: "pre" (before attention and MLP: llama), "sandwich"
+    # (Gemma: also after each), "post" (after each only, on its output: OLMo 2/3, EXAONE 4)
+    norm_placement: str = "pre"
+    qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3, EXAONE 4)
+    qk_norm_full: bool = False  # RMSNorm over the whole q and k projections (OLMo 2/3)
     eos_token_ids: tuple[int, ...] = ()
 
     @property
@@ -87,7 +90,7 @@ def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
     window: int | None = getattr(cfg, "sliding_window", None)
     if model_type in ("mistral", "phi3"):  # one window for every layer, if set
         return (window,) * n
-    if model_type in ("qwen2", "gemma2", "gemma3_text"):  # per layer, from layer_types
+    if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4"):  # layer_types
         types = list(cfg.layer_types)
         for t in types:
             if t not in ("sliding_attention", "full_attention"):
@@ -123,16 +126,19 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         raise UnsupportedConfigError("use_bidirectional_attention is not implemented")
     windows = _windows(cfg, model_type)
     # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
-    attention_bias = model_type in ("llama", "gemma2", "gemma3_text") and bool(
+    attention_bias = model_type in ("llama", "gemma2", "gemma3_text", "olmo3") and bool(
         getattr(cfg, "attention_bias", False)
     )
-    if model_type == "gemma3_text":  # local and global layers rotate by their own base
-        ropes = tuple(
-            _rope(cfg.rope_parameters["sliding_attention" if w else "full_attention"], "gemma")
-            for w in windows
-        )
+    params = cfg.rope_parameters
+    ropes: tuple[RopeConfig | None, ...]
+    if isinstance(params, dict) and "full_attention" in params:  # a rotary per layer type
+        ropes = tuple(_rope(params["sliding_attention" if w else "full_attention"], model_type)
+                      for w in windows)  # fmt: skip
     else:
-        ropes = (_rope(cfg.rope_parameters, model_type),) * cfg.num_hidden_layers
+        ropes = (_rope(params, model_type),) * cfg.num_hidden_layers
+    if model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None:
+        # EXAONE 4 rotates only its sliding layers; its full layers have no position code
+        ropes = tuple(r if w else None for r, w in zip(ropes, windows, strict=True))
     return ModelConfig(
         model_type=model_type,
         vocab_size=cfg.vocab_size,
@@ -156,10 +162,13 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         final_softcap=getattr(cfg, "final_logit_softcapping", None),
         norm_plus_one=gemma,
         scale_embeddings=gemma,
-        sandwich_norms=gemma,
-        qk_norm=model_type == "gemma3_text",
+        norm_placement=("sandwich" if gemma else
+                        "post" if model_type in ("olmo3", "exaone4") else "pre"),
+        qk_norm=model_type in ("gemma3_text", "exaone4"),
+        qk_norm_full=model_type == "olmo3",
         eos_token_ids=_eos(cfg),
     )
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "olmo3",
+                         "exaone4")

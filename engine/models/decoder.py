@@ -16,27 +16,40 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
+    # the norms a placement has (see __init__), under transformers' names
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
         eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
         self.self_attn = Attention(cfg, layer, group)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
-        self.sandwich = cfg.sandwich_norms  # norms after attention and around the MLP
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, plus_one=plus_one)
+        self.placement = cfg.norm_placement
+        if self.placement not in ("pre", "sandwich", "post"):
+            raise ValueError(f"norm_placement {self.placement!r}")
+        names = {"pre": ["input_layernorm", "post_attention_layernorm"],
+                 "sandwich": ["input_layernorm", "post_attention_layernorm",
+                              "pre_feedforward_layernorm", "post_feedforward_layernorm"],
+                 "post": ["post_attention_layernorm", "post_feedforward_layernorm"]}
+        for name in names[self.placement]:  # transformers' names, as the checkpoints have
+            setattr(self, name, RMSNorm(cfg.hidden_size, eps, plus_one=plus_one))
 
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
+        cos_sin: tuple[torch.Tensor, ...] | None,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        if self.placement == "post":  # each sublayer's output normed before the residual add
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, batch, kv_cache))
+            out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
+            return out
         h: torch.Tensor = self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache)
-        if self.sandwich:
+        if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
             return x + h
@@ -70,9 +83,11 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         # One rotary table per distinct RoPE config (Gemma-3: local and global).
-        self._ropes = sorted(set(cfg.layer_ropes), key=cfg.layer_ropes.index)
+        # (a NoPE layer, rope None, takes no table)
+        self._ropes = sorted({r for r in cfg.layer_ropes if r is not None},
+                             key=cfg.layer_ropes.index)
         self._rotaries = [Rotary(r, cfg.head_dim) for r in self._ropes]
-        self._layer_rope = [self._ropes.index(r) for r in cfg.layer_ropes]
+        self._layer_rope = [None if r is None else self._ropes.index(r) for r in cfg.layer_ropes]
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head where the checkpoint ties them."""
@@ -88,7 +103,8 @@ class CausalLM(nn.Module):
         tables = [rot.cos_sin(batch.positions, batch.max_position, x.dtype)
                   for rot in self._rotaries]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, tables[self._layer_rope[i]], batch, kv_caches[i])
+            rope = self._layer_rope[i]
+            x = layer(x, None if rope is None else tables[rope], batch, kv_caches[i])
         out: torch.Tensor = self.model.norm(x)
         return out
 

@@ -148,18 +148,20 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
         self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
-        self.qk_norm = cfg.qk_norm
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+        self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
+        if self.qk_norm or self.qk_norm_full:  # per head, or over the whole projection
+            q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm else (q_size, kv_size)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
+        cos_sin: tuple[torch.Tensor, ...] | None,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        """``cos_sin`` None: a layer without rotary embedding (NoPE)."""
         tokens = x.shape[0]
         if self.fused:
             q_size = self.num_heads * self.head_dim
@@ -167,17 +169,23 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        if cpu_norm.supports(q, self.float32_kernel):  # one compiled pass each: (q/k norm +) rotary
+        if cos_sin is None:  # NoPE: the per-head norms alone
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif cpu_norm.supports(q, self.float32_kernel):  # one compiled pass each
+            cos, sin = cos_sin  # (q/k norm +) rotary
             eps = self.q_norm.eps if self.qk_norm else 0.0
             q = cpu_norm.norm_rope(q, self.q_norm.scale() if self.qk_norm else None, cos, sin,
                                    eps)
             k = cpu_norm.norm_rope(k, self.k_norm.scale() if self.qk_norm else None, cos, sin,
                                    eps)
         else:
+            cos, sin = cos_sin
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
