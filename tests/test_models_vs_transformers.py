@@ -37,6 +37,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "gemma2": (W, None, W, None),
         "olmo3": (W, W, W, None),
         "exaone4": (W, W, W, None),
+        "cohere2": (W, W, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

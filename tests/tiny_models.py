@@ -69,6 +69,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_hidden_layers=4, sliding_window=W, sliding_window_pattern=4,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
                      "full_attention"])),
+    # LayerNorm, attention and MLP side by side on one norm, interleaved rotary on the
+    # sliding layers only, logits scaled
+    "cohere2": ("Cohere2Config", dict(
+        num_hidden_layers=4, sliding_window=W, logit_scale=4.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"])),
 }
 
 

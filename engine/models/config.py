@@ -53,9 +53,13 @@ class ModelConfig:
     final_softcap: float | None = None
     norm_plus_one: bool = False  # RMSNorm multiplies by (1 + w) (Gemma)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
-    # where a layer's RMSNorms sit: "pre" (before attention and MLP: llama), "sandwich"
-    # (Gemma: also after each), "post" (after each only, on its output: OLMo 2/3, EXAONE 4)
+    # where a layer's norms sit: "pre" (before attention and MLP: llama), "sandwich"
+    # (Gemma: also after each), "post" (after each only, on its output: OLMo 2/3, EXAONE 4),
+    # "parallel" (one norm whose output feeds attention and MLP side by side: Cohere 2)
     norm_placement: str = "pre"
+    layer_norm: bool = False  # mean-centred LayerNorm without bias instead of RMSNorm (Cohere)
+    rotary_interleaved: bool = False  # rotate features (2i, 2i + 1), not (i, i + d/2) (Cohere)
+    logit_scale: float = 1.0  # logits times this (Cohere)
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3, EXAONE 4)
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections (OLMo 2/3)
     eos_token_ids: tuple[int, ...] = ()
@@ -90,7 +94,7 @@ def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
     window: int | None = getattr(cfg, "sliding_window", None)
     if model_type in ("mistral", "phi3"):  # one window for every layer, if set
         return (window,) * n
-    if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4"):  # layer_types
+    if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4", "cohere2"):
         types = list(cfg.layer_types)
         for t in types:
             if t not in ("sliding_attention", "full_attention"):
@@ -126,7 +130,8 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         raise UnsupportedConfigError("use_bidirectional_attention is not implemented")
     windows = _windows(cfg, model_type)
     # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
-    attention_bias = model_type in ("llama", "gemma2", "gemma3_text", "olmo3") and bool(
+    attention_bias = model_type in ("llama", "gemma2", "gemma3_text", "olmo3",
+                                    "cohere2") and bool(
         getattr(cfg, "attention_bias", False)
     )
     params = cfg.rope_parameters
@@ -136,8 +141,8 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
                       for w in windows)  # fmt: skip
     else:
         ropes = (_rope(params, model_type),) * cfg.num_hidden_layers
-    if model_type == "exaone4" and getattr(cfg, "sliding_window", None) is not None:
-        # EXAONE 4 rotates only its sliding layers; its full layers have no position code
+    if model_type in ("exaone4", "cohere2") and getattr(cfg, "sliding_window", None):
+        # these rotate only their sliding layers; the full layers have no position code
         ropes = tuple(r if w else None for r, w in zip(ropes, windows, strict=True))
     return ModelConfig(
         model_type=model_type,
@@ -148,7 +153,7 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         num_heads=cfg.num_attention_heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_eps,
         hidden_act=cfg.hidden_activation if gemma else cfg.hidden_act,
         layer_windows=windows,
         layer_ropes=ropes,
@@ -163,7 +168,11 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         norm_plus_one=gemma,
         scale_embeddings=gemma,
         norm_placement=("sandwich" if gemma else
-                        "post" if model_type in ("olmo3", "exaone4") else "pre"),
+                        "post" if model_type in ("olmo3", "exaone4") else
+                        "parallel" if model_type == "cohere2" else "pre"),
+        layer_norm=model_type == "cohere2",
+        rotary_interleaved=model_type == "cohere2",
+        logit_scale=float(getattr(cfg, "logit_scale", None) or 1.0),
         qk_norm=model_type in ("gemma3_text", "exaone4"),
         qk_norm_full=model_type == "olmo3",
         eos_token_ids=_eos(cfg),
@@ -171,4 +180,4 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "olmo3",
-                         "exaone4")
+                         "exaone4", "cohere2")

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
-from engine.models.layers import MLP, Attention, RMSNorm, Rotary
+from engine.models.layers import MLP, Attention, Rotary, make_norm
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, its group's (key_cache, value_cache): [num_blocks, block_size, kv_heads, dim]."""
@@ -17,25 +17,25 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 class DecoderLayer(nn.Module):
     # the norms a placement has (see __init__), under transformers' names
-    input_layernorm: RMSNorm
-    post_attention_layernorm: RMSNorm
-    pre_feedforward_layernorm: RMSNorm
-    post_feedforward_layernorm: RMSNorm
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    pre_feedforward_layernorm: nn.Module
+    post_feedforward_layernorm: nn.Module
 
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
-        eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
         self.self_attn = Attention(cfg, layer, group)
         self.mlp = MLP(cfg)
         self.placement = cfg.norm_placement
-        if self.placement not in ("pre", "sandwich", "post"):
-            raise ValueError(f"norm_placement {self.placement!r}")
         names = {"pre": ["input_layernorm", "post_attention_layernorm"],
                  "sandwich": ["input_layernorm", "post_attention_layernorm",
                               "pre_feedforward_layernorm", "post_feedforward_layernorm"],
-                 "post": ["post_attention_layernorm", "post_feedforward_layernorm"]}
+                 "post": ["post_attention_layernorm", "post_feedforward_layernorm"],
+                 "parallel": ["input_layernorm"]}
+        if self.placement not in names:
+            raise ValueError(f"norm_placement {self.placement!r}")
         for name in names[self.placement]:  # transformers' names, as the checkpoints have
-            setattr(self, name, RMSNorm(cfg.hidden_size, eps, plus_one=plus_one))
+            setattr(self, name, make_norm(cfg, cfg.hidden_size))
 
     def forward(
         self,
@@ -48,6 +48,11 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, batch, kv_cache))
             out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
             return out
+        if self.placement == "parallel":  # attention and MLP both read one norm of x
+            normed = self.input_layernorm(x)
+            attn = self.self_attn(normed, cos_sin, batch, kv_cache)
+            both: torch.Tensor = x + attn + self.mlp(normed)
+            return both
         h: torch.Tensor = self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache)
         if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
@@ -65,7 +70,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, g) for i, g in enumerate(layer_groups)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+        self.norm = make_norm(cfg, cfg.hidden_size)
 
 
 class CausalLM(nn.Module):
@@ -86,7 +91,7 @@ class CausalLM(nn.Module):
         # (a NoPE layer, rope None, takes no table)
         self._ropes = sorted({r for r in cfg.layer_ropes if r is not None},
                              key=cfg.layer_ropes.index)
-        self._rotaries = [Rotary(r, cfg.head_dim) for r in self._ropes]
+        self._rotaries = [Rotary(r, cfg.head_dim, cfg.rotary_interleaved) for r in self._ropes]
         self._layer_rope = [None if r is None else self._ropes.index(r) for r in cfg.layer_ropes]
 
     def tie_weights(self) -> None:
@@ -117,6 +122,8 @@ class CausalLM(nn.Module):
                 on them (widening is exact), and the sampler widens only the rows it samples.
         """
         logits: torch.Tensor = self.lm_head(hidden)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits.float() / cap) * cap

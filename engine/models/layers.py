@@ -56,6 +56,30 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-centred, no bias, in float32, times the weight before the
+    one cast back (transformers' op sequence)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        centred = h - h.mean(-1, keepdim=True)
+        h = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The family's norm over ``dim`` features: RMSNorm (``(1 + w)`` for Gemma) or, with
+    ``cfg.layer_norm``, Cohere's LayerNorm."""
+    if cfg.layer_norm:
+        return LayerNorm(dim, cfg.rms_norm_eps)
+    return RMSNorm(dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+
+
 class Rotary:
     """cos/sin tables of one RoPE configuration, computed once and indexed per step.
 
@@ -63,8 +87,9 @@ class Rotary:
     (``position * inv_freq``, then cos/sin), so indexing it gives the same numbers.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, interleaved: bool = False) -> None:
         self.rot_dim = int(head_dim * rope.partial_factor)
+        self.interleaved = interleaved  # each frequency twice in a row (Cohere), not halves
         # NOTE: on the CPU explicitly: models are built under the meta device.
         exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device="cpu").float()
         exponents = exponents / self.rot_dim
@@ -77,7 +102,8 @@ class Rotary:
             size = max(length, 2 * (0 if table is None else table.shape[1]), 4096)
             positions = torch.arange(size, dtype=torch.float32)
             freqs = positions[:, None] * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
+            emb = (freqs.repeat_interleave(2, dim=-1) if self.interleaved
+                   else torch.cat((freqs, freqs), dim=-1))
             table = torch.stack((emb.cos(), emb.sin())).to(device=device, dtype=dtype)
             self._tables[(device, dtype)] = table
         return table
@@ -90,12 +116,17 @@ class Rotary:
         return picked[0], picked[1]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rot_dim`` features of ``x`` [tokens, heads, head_dim] (half-split)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` features of ``x`` [tokens, heads, head_dim]: the pairs
+    (i, i + rot_dim / 2) (half-split), or (2i, 2i + 1) where ``interleaved``."""
     rot_dim = cos.shape[-1]
     rot, rest = x[..., :rot_dim], x[..., rot_dim:]
-    x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
+    if interleaved:
+        rotated = torch.stack((-rot[..., 1::2], rot[..., ::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
+        rotated = torch.cat((-x2, x1), dim=-1)
     out = rot * cos + rotated * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
@@ -148,6 +179,7 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
         self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
+        self.interleaved = cfg.rotary_interleaved  # the compiled pass is half-split only
         self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
         if self.qk_norm or self.qk_norm_full:  # per head, or over the whole projection
             q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm else (q_size, kv_size)
@@ -177,7 +209,7 @@ class Attention(nn.Module):
         if cos_sin is None:  # NoPE: the per-head norms alone
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-        elif cpu_norm.supports(q, self.float32_kernel):  # one compiled pass each
+        elif not self.interleaved and cpu_norm.supports(q, self.float32_kernel):  # one pass
             cos, sin = cos_sin  # (q/k norm +) rotary
             eps = self.q_norm.eps if self.qk_norm else 0.0
             q = cpu_norm.norm_rope(q, self.q_norm.scale() if self.qk_norm else None, cos, sin,
@@ -188,7 +220,8 @@ class Attention(nn.Module):
             cos, sin = cos_sin
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(q, cos, sin, self.interleaved)
+            k = apply_rotary(k, cos, sin, self.interleaved)
         tables = batch.groups[self.group]
         key_cache, value_cache = kv_cache
         if batch.early_writes is not None:
