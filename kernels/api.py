@@ -13,6 +13,7 @@ import torch
 
 from kernels.checks import (
     check_attention_args,
+    check_sinks,
     check_unit_stride,
     check_window,
     check_write_args,
@@ -47,6 +48,7 @@ def paged_attention(
     sliding_window: int | None,
     ring_blocks: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -70,6 +72,8 @@ def paged_attention(
         sliding_window: w (query i sees keys i - w < j <= i), or None for full attention.
         ring_blocks: R, the ring length (R * block_size >= w), or None.
         softcap: logits = softcap * tanh(logits / softcap) when set (Gemma-2).
+        sinks: [num_heads] float32 attention-sink logits on query's device (gpt-oss): each
+            joins its head's softmax denominator as exp(sink) and weighs no value.
         backend: "triton", "cpu", "torch", or None (Triton on CUDA; on the CPU the
             compiled decode kernel where it is built, else torch).
         out: optional preallocated output, query's shape and dtype.
@@ -82,6 +86,7 @@ def paged_attention(
     check_window(sliding_window, ring_blocks, key_cache.shape[1], block_tables.shape[1])
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+    check_sinks(sinks, query)
     chosen = pick_backend(backend, query)
     if chosen == "cpu":
         from kernels.cpu_attention import paged_attention_cpu, supports
@@ -92,13 +97,13 @@ def paged_attention(
         return paged_attention_cpu(
             query, key, value, key_cache, value_cache, block_tables, query_start_loc,
             context_lens, scale=scale, sliding_window=sliding_window, ring_blocks=ring_blocks,
-            softcap=softcap, out=out,
+            softcap=softcap, sinks=sinks, out=out,
         )  # fmt: skip
     if chosen == "torch":
         return paged_attention_reference(
             query, key, value, key_cache, value_cache, block_tables, query_start_loc,
             context_lens, scale=scale, sliding_window=sliding_window, ring_blocks=ring_blocks,
-            softcap=softcap, out=out,
+            softcap=softcap, sinks=sinks, out=out,
         )  # fmt: skip
     _require_triton_device(query)
     check_unit_stride("key_cache", key_cache)
@@ -111,7 +116,7 @@ def paged_attention(
         _unit_last(query), _unit_last(key), _unit_last(value), key_cache, value_cache,
         _unit_last(block_tables), query_start_loc.contiguous(), context_lens.contiguous(),
         scale=scale, sliding_window=sliding_window, ring_blocks=ring_blocks, softcap=softcap,
-        out=out,
+        sinks=None if sinks is None else sinks.float().contiguous(), out=out,
     )  # fmt: skip
 
 

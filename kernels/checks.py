@@ -53,6 +53,19 @@ def pick_backend(backend: str | None, query: torch.Tensor) -> str:
     return backend
 
 
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Sinks, when given, are one floating logit per query head on query's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise ValueError("sinks must be None or a floating tensor of shape [num_heads]")
+    if sinks.shape != (query.shape[1],):
+        raise ValueError(f"sinks must have shape [num_heads] = [{query.shape[1]}], "
+                         f"got {list(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, query on {query.device}")
+
+
 def check_window(
     sliding_window: int | None, ring_blocks: int | None, block_size: int, table_width: int
 ) -> None:

@@ -40,6 +40,7 @@ def paged_attention_cpu(
     sliding_window: int | None,
     ring_blocks: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` on the CPU: same arguments, same result (see there).
@@ -51,7 +52,7 @@ def paged_attention_cpu(
     args = Batch(
         query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
         block_size=key_cache.shape[1], window=sliding_window, ring=ring_blocks, scale=scale,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
     plan = step_plan(block_tables, query_start_loc, context_lens, block_size=args.block_size,
                      window=sliding_window, ring=ring_blocks)  # fmt: skip
@@ -63,6 +64,7 @@ def paged_attention_cpu(
             query.contiguous(), key.contiguous(), value.contiguous(), key_cache.contiguous(),
             value_cache.contiguous(), block_tables.to(torch.int32).contiguous(), seqs, tokens,
             ctxs, result, scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0,
+            None if sinks is None else sinks.float().contiguous(),
         )  # fmt: skip
     if out is not None and out is not result:
         out.copy_(result)

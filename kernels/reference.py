@@ -42,6 +42,17 @@ class Batch:
     ring: int | None
     scale: float
     softcap: float | None
+    sinks: torch.Tensor | None = None  # [num_heads] float32 logits
+
+
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None,
+                view: tuple[int, ...]) -> torch.Tensor:
+    """softmax over the scores' last dim with each head's sink logit in the denominator
+    (gpt-oss): the sink column is appended, normalised with the rest and dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(view).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
 
 
 def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -58,12 +69,14 @@ def _attend(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention of one sequence slice, in fp32.
 
     Args:
         q: [n, num_heads, d]; k, v: [L, num_kv_heads, d] (any float dtype).
         mask: [n, L] bool, True where the query may see the key.
+        sinks: [num_heads] sink logits, or None.
 
     Returns:
         [n, num_heads, d] float32.
@@ -79,7 +92,8 @@ def _attend(
     kf, vf = k.float(), v.float()
     scores = torch.bmm(qg, kf.permute(1, 2, 0)).view(num_kv_heads, group, n, -1)
     scores = _softcapped(scores.mul_(scale), softcap).masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, -1)
+    probs = _with_sinks(scores, sinks, (num_kv_heads, group, 1, 1))
+    probs = probs.reshape(num_kv_heads, group * n, -1)
     out = torch.bmm(probs, vf.transpose(0, 1)).view(num_kv_heads, group, n, d)
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, d)
 
@@ -109,6 +123,7 @@ def prefill_row(args: Batch, row: PrefillRow, out: torch.Tensor) -> None:
             mask,
             args.scale,
             args.softcap,
+            args.sinks,
         )
         out[start + qa : start + qb] = res
 
@@ -131,7 +146,7 @@ def _decode_attend(
         torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
     scores = _softcapped(scores.mul_(args.scale), args.softcap)
     scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = _with_sinks(scores, args.sinks, (kvh, 1, group, 1))
     res = torch.empty(kvh, num_seqs, group, d, dtype=torch.float32, device=q.device)
     for h in range(kvh):
         torch.bmm(probs[h], v[:, :, h], out=res[h])
@@ -166,6 +181,7 @@ def paged_attention_reference(
     sliding_window: int | None,
     ring_blocks: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged (ring) attention of a packed varlen batch, attend-first: the cache is only read.
@@ -181,6 +197,8 @@ def paged_attention_reference(
         sliding_window: window w (query i sees i - w < j <= i), None for full attention.
         ring_blocks: ring length R, or None when the table is indexed by p // b.
         softcap: Gemma-2 logit soft cap (applied after scale), or None.
+        sinks: [num_heads] float32 attention-sink logits (gpt-oss): each joins its head's
+            softmax denominator as exp(sink) and weighs no value; None: no sinks.
         out: optional preallocated [num_tokens, num_heads, head_dim] output.
 
     Returns:
@@ -191,7 +209,7 @@ def paged_attention_reference(
     args = Batch(
         query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
         block_size=key_cache.shape[1], window=sliding_window, ring=ring_blocks, scale=scale,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
     plan = step_plan(block_tables, query_start_loc, context_lens, block_size=args.block_size,
                      window=sliding_window, ring=ring_blocks)  # fmt: skip

@@ -21,6 +21,10 @@ one code path serves block sizes 1..128 and any BLOCK_N.
 Split keys (small decode batches on a GPU): the cached range is cut into NUM_SPLITS runs of
 whole key tiles, one per program along grid axis 2; the last split also takes the fresh
 keys. Each writes its partial (m, l, acc) in fp32, and `combine_splits_kernel` merges them.
+
+Attention sinks (gpt-oss: a logit per head in the softmax denominator that weighs no value)
+join where the softmax is finished, once per row: in `store_tile` without splits, in the
+merge with them.
 """
 
 # NOTE: @triton.jit functions take untyped tensors and constexprs (Triton reads parameter
@@ -34,12 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import attend_cached, attend_fresh, find_seq, next_pow2
+from kernels.triton_common import LOG2E, attend_cached, attend_fresh, find_seq, next_pow2
 
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr, part_ml_ptr, part_acc_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    out_ptr, part_ml_ptr, part_acc_ptr, sinks_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
     scale, softcap, window, ring_blocks, num_seqs, block_size,
     stride_ot, stride_oh, stride_qt, stride_qh,
@@ -49,7 +53,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_RING: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NATIVE_DOT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, USE_SINKS: tl.constexpr,
 ):  # fmt: skip
     """One (query tile, kv head, key split): see the module docstring."""
     TILE_Q: tl.constexpr = BLOCK_M // GROUP
@@ -108,17 +112,25 @@ def paged_attention_kernel(
         BLOCK_N, USE_WINDOW, USE_SOFTCAP, NATIVE_DOT,
     )  # fmt: skip
 
-    store_tile(out_ptr, part_ml_ptr, part_acc_ptr, m_i, l_i, acc, (q_start + tok).to(tl.int64),
-               head, split, row_ok, d, d_ok, stride_ot, stride_oh, GROUP, D_PAD, NUM_SPLITS)
+    store_tile(out_ptr, part_ml_ptr, part_acc_ptr, sinks_ptr, m_i, l_i, acc,
+               (q_start + tok).to(tl.int64), head, split, row_ok, d, d_ok, stride_ot, stride_oh,
+               GROUP, D_PAD, NUM_SPLITS, USE_SINKS)  # fmt: skip
 
 
 @triton.jit
 def store_tile(
-    out_ptr, part_ml_ptr, part_acc_ptr, m_i, l_i, acc, token, head, split, row_ok, d, d_ok,
-    stride_ot, stride_oh, GROUP: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr, part_ml_ptr, part_acc_ptr, sinks_ptr, m_i, l_i, acc, token, head, split, row_ok,
+    d, d_ok, stride_ot, stride_oh, GROUP: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Store the normalised output, or this split's partial (m, l, acc) for the merge."""
     if NUM_SPLITS == 1:
+        if USE_SINKS:  # the sink's exp joins the denominator (m_i is in log2 units)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; never stored
         o = acc / l_i[:, None]
         o_off = token * stride_ot + head * stride_oh
@@ -133,8 +145,9 @@ def store_tile(
 
 @triton.jit
 def combine_splits_kernel(
-    out_ptr, part_ml_ptr, part_acc_ptr, stride_ot, stride_oh,
+    out_ptr, part_ml_ptr, part_acc_ptr, sinks_ptr, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = merge of the NUM_SPLITS partial softmaxes of (token t, head h)."""
     token = tl.program_id(0).to(tl.int64)
@@ -144,8 +157,15 @@ def combine_splits_kernel(
     l_part = tl.load(part_ml_ptr + part * 2 + 1)
     d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :])
-    weight = tl.exp2(m - tl.max(m, 0))  # m is in log2 units; empty splits weigh 0
-    o = tl.sum(acc * weight[:, None], 0) / tl.sum(l_part * weight, 0)
+    top = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # m is in log2 units; empty splits weigh 0
+    denom = tl.sum(l_part * weight, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - top)
+    o = tl.sum(acc * weight[:, None], 0) / denom
     o_ptrs = out_ptr + token * stride_ot + head * stride_oh + d
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -182,6 +202,7 @@ def _auto_splits(query: torch.Tensor, programs: int, window: int | None, block_n
 def _launch(
     tensors: tuple[torch.Tensor, ...], scalars: tuple[float | int, ...], out: torch.Tensor,
     grid: tuple[int, int], splits: int, d_pad: int, params: dict[str, object],
+    sinks: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Run the attention kernel, then the split merge when the key range was split."""
     query, key, value, key_cache, value_cache, block_tables = tensors[:6]
@@ -192,19 +213,22 @@ def _launch(
                               dtype=torch.float32)  # fmt: skip
         part_acc = torch.empty(num_tokens, num_heads, splits, d_pad, device=out.device,
                                dtype=torch.float32)  # fmt: skip
+    sink_arg = out if sinks is None else sinks  # a placeholder pointer when unused
     paged_attention_kernel[(*grid, splits)](
-        out, part_ml, part_acc, *tensors, *scalars,
+        out, part_ml, part_acc, sink_arg, *tensors, *scalars,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), D_PAD=d_pad, NUM_SPLITS=splits, **params,
+        block_tables.stride(0), D_PAD=d_pad, NUM_SPLITS=splits, USE_SINKS=sinks is not None,
+        **params,
         num_warps=4 if d_pad <= 128 else 8,
     )  # fmt: skip
     if splits > 1:
         combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_ml, part_acc, out.stride(0), out.stride(1),
+            out, part_ml, part_acc, sink_arg, out.stride(0), out.stride(1),
             HEAD_DIM=query.shape[2], D_PAD=d_pad, NUM_SPLITS=splits,
+            USE_SINKS=sinks is not None,
         )  # fmt: skip
 
 
@@ -222,6 +246,7 @@ def paged_attention_triton(
     sliding_window: int | None,
     ring_blocks: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -267,5 +292,5 @@ def paged_attention_triton(
         "USE_WINDOW": sliding_window is not None, "USE_RING": ring_blocks is not None,
         "USE_SOFTCAP": softcap is not None, "NATIVE_DOT": native_dot,
     }
-    _launch(tensors, scalars, out, grid, splits, d_pad, params)
+    _launch(tensors, scalars, out, grid, splits, d_pad, params, sinks)
     return out

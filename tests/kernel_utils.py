@@ -35,6 +35,7 @@ class Case:
     sliding_window: int | None
     ring_blocks: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None  # [num_heads] float32 sink logits
     full_k: list[torch.Tensor] = field(default_factory=list)  # per seq [ctx + n, kvh, d]
     full_v: list[torch.Tensor] = field(default_factory=list)
 
@@ -45,6 +46,7 @@ class Case:
             "sliding_window": self.sliding_window,
             "ring_blocks": self.ring_blocks,
             "softcap": self.softcap,
+            **({} if self.sinks is None else {"sinks": self.sinks}),
         }
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -71,6 +73,7 @@ def make_case(
     ring: bool = True,
     extra_ring_blocks: int = 0,
     softcap: float | None = None,
+    sinks: bool = False,
     dtype: torch.dtype = torch.float32,
     poison: float | None = float("nan"),
     spare_blocks: int = 3,
@@ -80,6 +83,7 @@ def make_case(
 
     Args:
         ring: ring tables of R = ceil(window / b) + extra_ring_blocks ids, else full tables.
+        sinks: give every head a random sink logit (about as large as the scores).
         poison: value written into every slot that must not be read (None: leave stale data).
         spare_blocks: unused physical blocks (poisoned, and targets of padding entries).
         seed: seeds everything random (values, block permutation).
@@ -134,6 +138,7 @@ def make_case(
     key = torch.cat([none] + [k[ctx:] for k, (ctx, _) in zip(full_k, seqs, strict=True)])
     value = torch.cat([none] + [v[ctx:] for v, (ctx, _) in zip(full_v, seqs, strict=True)])
     scale = 1.0 / math.sqrt(head_dim) if softcap is None else 4.0 / math.sqrt(head_dim)
+    sink_logits = torch.randn(num_heads, generator=gen) * 1.5 if sinks else None
     return Case(
         query=rand(num_tokens, num_heads, head_dim),
         key=key.reshape(num_tokens, num_kv_heads, head_dim),
@@ -147,6 +152,7 @@ def make_case(
         sliding_window=window,
         ring_blocks=ring_blocks,
         softcap=softcap,
+        sinks=sink_logits,
         full_k=full_k,
         full_v=full_v,
     )
@@ -175,7 +181,12 @@ def dense_attention(case: Case) -> torch.Tensor:
                 logits = (k @ q) * case.scale
                 if case.softcap is not None:
                     logits = case.softcap * torch.tanh(logits / case.softcap)
-                out[starts[s] + t, h] = torch.softmax(logits, 0) @ values[seen, h // group]
+                if case.sinks is None:
+                    probs = torch.softmax(logits, 0)
+                else:  # the sink's exp joins the denominator, and weighs no value
+                    with_sink = torch.cat([logits, case.sinks[h : h + 1].double()])
+                    probs = torch.softmax(with_sink, 0)[:-1]
+                out[starts[s] + t, h] = probs @ values[seen, h // group]
     return out
 
 
@@ -219,6 +230,10 @@ CASES: list[tuple[str, list[tuple[int, int]], dict[str, object]]] = [
     ("block_size_128", [(300, 3), (50, 1)], {"window": 130, "block_size": 128}),
     ("softcap", [(17, 5), (2, 1)], {"softcap": 2.0}),
     ("softcap_full", [(17, 5), (2, 1)], {"softcap": 3.0, "window": None, "ring": False}),
+    ("sinks", [(17, 5), (2, 1), (30, 1)], {"sinks": True}),
+    ("sinks_full_gqa", [(17, 5), (9, 1)], {"sinks": True, "window": None, "ring": False,
+                                           "num_heads": 8, "num_kv_heads": 2}),
+    ("bf16_sinks", [(23, 6), (8, 1), (40, 1)], {"dtype": torch.bfloat16, "sinks": True}),
     ("fp16", [(17, 5), (2, 1), (30, 1)], {"dtype": torch.float16}),
     ("bf16", [(17, 5), (2, 1), (30, 1)], {"dtype": torch.bfloat16}),
     ("bf16_softcap_gqa", [(23, 6), (8, 1)], {"dtype": torch.bfloat16, "softcap": 2.0,

@@ -43,6 +43,9 @@ BAD: list[tuple[str, Callable[[Case], dict[str, object]], str]] = [
     ("ring_too_small", lambda c: {"sliding_window": 9}, "overwrite"),
     ("ring_wider_than_table", lambda c: {"ring_blocks": 3, "sliding_window": 8}, "columns"),
     ("softcap_0", lambda c: {"softcap": 0.0}, "softcap"),
+    ("sinks_shape", lambda c: {"sinks": torch.zeros(c.query.shape[1] + 1)}, "sinks must have"),
+    ("sinks_int", lambda c: {"sinks": torch.zeros(c.query.shape[1], dtype=torch.int64)},
+     "floating"),
     ("out_shape", lambda c: {"out": c.query[:1]}, "out must have shape"),
     ("out_dtype", lambda c: {"out": c.query.half()}, "out has dtype"),
 ]

@@ -36,7 +36,7 @@ def build(kernel, dtype, consts, index="*i32", num_warps=4):
             sig[name] = "constexpr"
         elif name in FLOAT_PTRS:
             sig[name] = "*" + dtype
-        elif name.startswith("part_"):
+        elif name.startswith("part_") or name == "sinks_ptr":
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = index
@@ -49,27 +49,32 @@ def build(kernel, dtype, consts, index="*i32", num_warps=4):
     assert len(out.asm["cubin"]) > 0
     print("compiled", kernel.__name__, dtype, sorted(consts.items()), flush=True)
 
-# dtype, head_dim, group, block_m, block_n, splits, window, ring, softcap, native dot
+# dtype, head_dim, group, block_m, block_n, splits, window, ring, softcap, native dot, sinks
 VARIANTS = [
-    ("fp16", 64, 4, 16, 64, 1, True, True, False, True),
-    ("bf16", 128, 4, 64, 64, 1, True, True, True, True),
-    ("bf16", 128, 4, 16, 64, 8, True, True, False, True),
-    ("bf16", 256, 1, 16, 32, 4, True, True, True, True),
-    ("fp32", 80, 3, 16, 16, 1, False, False, True, False),
-    ("fp16", 96, 32, 32, 64, 1, False, False, False, True),
+    ("fp16", 64, 4, 16, 64, 1, True, True, False, True, False),
+    ("bf16", 128, 4, 64, 64, 1, True, True, True, True, False),
+    ("bf16", 128, 4, 16, 64, 8, True, True, False, True, False),
+    ("bf16", 256, 1, 16, 32, 4, True, True, True, True, False),
+    ("fp32", 80, 3, 16, 16, 1, False, False, True, False, False),
+    ("fp16", 96, 32, 32, 64, 1, False, False, False, True, False),
+    ("bf16", 64, 8, 64, 64, 1, True, True, False, True, True),  # gpt-oss: head 64, sinks
 ]
 shard, shards = int(sys.argv[1]), int(sys.argv[2])
-for dtype, hd, group, bm, bn, splits, window, ring, softcap, native in VARIANTS[shard::shards]:
+for dtype, hd, group, bm, bn, splits, window, ring, softcap, native, sinks in (
+        VARIANTS[shard::shards]):
     d_pad = max(16, 1 << (hd - 1).bit_length())
     build(paged_attention_kernel, dtype, dict(
         HEAD_DIM=hd, D_PAD=d_pad, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=splits,
         USE_WINDOW=window, USE_RING=ring, USE_SOFTCAP=softcap, NATIVE_DOT=native,
+        USE_SINKS=sinks,
     ), num_warps=4 if d_pad <= 128 else 8)
 SMALL = [  # (kernel, dtype, constexprs, index pointer type)
     (write_kv_kernel, "bf16", dict(NUM_KV_HEADS=8, HEAD_DIM=128, H_PAD=8, D_PAD=128), "*i64"),
     (write_kv_kernel, "fp32", dict(NUM_KV_HEADS=3, HEAD_DIM=80, H_PAD=4, D_PAD=128), "*i32"),
-    (combine_splits_kernel, "bf16", dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8), "*i32"),
-    (combine_splits_kernel, "fp16", dict(HEAD_DIM=80, D_PAD=128, NUM_SPLITS=2), "*i32"),
+    (combine_splits_kernel, "bf16", dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8,
+                                         USE_SINKS=False), "*i32"),
+    (combine_splits_kernel, "fp16", dict(HEAD_DIM=80, D_PAD=128, NUM_SPLITS=2,
+                                         USE_SINKS=True), "*i32"),
 ]
 for kernel, dtype, consts, index in SMALL[shard::shards]:
     build(kernel, dtype, consts, index=index)
@@ -97,4 +102,4 @@ def test_kernels_compile_for_sm90() -> None:
         assert proc.returncode == 0, log
         assert "ALL OK" in log
         logs.append(log)
-    assert "".join(logs).count("compiled") == 10
+    assert "".join(logs).count("compiled") == 11

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <limits>
 #include <vector>
 
@@ -131,14 +132,15 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// In place: softmax of one row of scores (after the optional soft-cap).
-inline void softmax(float* sc, int64_t len, float softcap) {
-  float top = -std::numeric_limits<float>::infinity();
+// In place: softmax of one row of scores (after the optional soft-cap), with an attention
+// sink: the logit `sink` (-inf: none) joins the denominator and takes no value row.
+inline void softmax(float* sc, int64_t len, float softcap, float sink) {
+  float top = sink;
   for (int64_t c = 0; c < len; ++c) {
     if (softcap > 0.f) sc[c] = softcap * std::tanh(sc[c] / softcap);
     top = std::max(top, sc[c]);
   }
-  float sum = 0.f;
+  float sum = std::isfinite(sink) ? std::exp(sink - top) : 0.f;
   int64_t c = 0;
 #if defined(__AVX512F__)
   __m512 vsum = _mm512_setzero_ps();
@@ -148,7 +150,7 @@ inline void softmax(float* sc, int64_t len, float softcap) {
     _mm512_storeu_ps(sc + c, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  sum = _mm512_reduce_add_ps(vsum);
+  sum += _mm512_reduce_add_ps(vsum);
 #endif
   for (; c < len; ++c) {
     sc[c] = std::exp(sc[c] - top);
@@ -161,6 +163,7 @@ inline void softmax(float* sc, int64_t len, float softcap) {
 struct Args {
   int64_t kv_heads, group, d, block_size, window, ring, table_width;
   float scale, softcap;
+  const float* sinks;  // [num_heads] or null
 };
 
 // Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group. T is
@@ -203,7 +206,9 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
     const C* k = c + 1 < len ? key_cache + slot_of(lo + c) * row + h * d : fresh.data();
     score_row(qbuf.data(), k, g, d, &scores[c], len);
   }
-  for (int64_t j = 0; j < g; ++j) softmax(&scores[j * len], len, a.softcap);
+  for (int64_t j = 0; j < g; ++j)
+    softmax(&scores[j * len], len, a.softcap,
+            a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
   // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
   for (int64_t c = 0; c < len; ++c) {
     const C* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d : fresh.data() + d;
@@ -247,7 +252,8 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
                   const at::Tensor& key_cache, const at::Tensor& value_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_ids,
                   const at::Tensor& tokens, const at::Tensor& context_lens, at::Tensor out,
-                  double scale, int64_t window, int64_t ring, double softcap) {
+                  double scale, int64_t window, int64_t ring, double softcap,
+                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
                   key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && out.is_contiguous(),
@@ -266,6 +272,13 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
   a.table_width = block_tables.size(1);
   a.scale = static_cast<float>(scale);
   a.softcap = static_cast<float>(softcap);
+  a.sinks = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == query.size(1),
+                "paged_decode: sinks must be float32 [num_heads], contiguous");
+    a.sinks = sinks->data_ptr<float>();
+  }
   const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == ct && key.scalar_type() == qt &&
                   value.scalar_type() == qt && out.scalar_type() == qt,
@@ -292,7 +305,7 @@ RINGSERVE_LIBRARY(RINGSERVE_NS, m) {
       "paged_decode(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor seq_ids, Tensor tokens, "
       "Tensor context_lens, Tensor(a!) out, float scale, int window, int ring, "
-      "float softcap) -> ()");
+      "float softcap, Tensor? sinks=None) -> ()");
 }
 
 RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("paged_decode", &paged_decode); }
