@@ -294,6 +294,20 @@ def agreement(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     return top1, kl
 
 
+def assert_as_close_as_bf16(path: pathlib.Path, ids: list[int], got: torch.Tensor,
+                            expected: torch.Tensor) -> None:
+    """``got`` agrees with ``expected`` (transformers on the same weights) as well as plain
+    bf16 activations agree with plain float32 on this checkpoint, within a margin."""
+    with torch.no_grad():
+        plain_fp32 = hf_reference(path)(torch.tensor([ids])).logits[0]
+    plain_bf16 = RingHarness(load_model(path, dtype=torch.bfloat16), B, len(ids)).logits_in_chunks(
+        ids, [W, 1, 1, 2 * W])
+    top1, kl = agreement(got, expected)
+    base_top1, base_kl = agreement(plain_bf16, plain_fp32)
+    assert top1 >= min(0.9, base_top1 - 0.05) and kl <= 3 * base_kl + 1e-5, (
+        top1, kl, base_top1, base_kl)
+
+
 def test_weight_bytes_of_a_packed_tied_head(tmp_path: pathlib.Path) -> None:
     """bf16 packs the head (a PackedLinear over the tied embedding): a decode step still
     reads the whole table, once."""
@@ -313,13 +327,7 @@ def test_bf16_quantized_model_close_to_transformers(tmp_path: pathlib.Path, kind
     ids = random_tokens(160, seed=5)
     with torch.no_grad():
         expected = transformers_with(path, kind, torch.bfloat16)(torch.tensor([ids])).logits[0]
-        plain_fp32 = hf_reference(path)(torch.tensor([ids])).logits[0]
     model = load_model(path, dtype=torch.bfloat16, quantization=kind)
     assert any(m.kernel for m in model.modules() if isinstance(m, QuantLinear))
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
-    plain_bf16 = RingHarness(load_model(path, dtype=torch.bfloat16), B, 160).logits_in_chunks(
-        ids, [W, 1, 1, 2 * W])
-    top1, kl = agreement(got, expected)
-    base_top1, base_kl = agreement(plain_bf16, plain_fp32)
-    assert top1 >= min(0.9, base_top1 - 0.05) and kl <= 3 * base_kl + 1e-5, (
-        top1, kl, base_top1, base_kl)
+    assert_as_close_as_bf16(path, ids, got, expected)
