@@ -21,7 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_caches, kv_cache_spec
 from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
-from engine.loading.quantize import pick_int16_activations, pick_quantization, weight_bytes
+from engine.loading.quantize import pick_quantization, weight_bytes
 from engine.model_runner import ModelRunner
 from engine.outputs import Request
 from engine.sampler import Sampler
@@ -35,7 +35,7 @@ from engine.startup import (
     kv_memory_bytes,
     pick_device,
     pick_dtype,
-    pick_kv_dtype,
+    pick_numerics,
 )
 from engine.stopping import append_token
 from engine.structured_output import StructuredOutputs
@@ -69,16 +69,8 @@ class LLMEngine:
         self.quantization, why = pick_quantization(config.quantization, folder=resolved.path,
                                                    device=self.device, dtype=self.dtype)
         logger.info("quantization %s (%s)", self.quantization, why)
-        self.int16_activations, why = pick_int16_activations(
-            config.int16_activations, quantization=self.quantization, dtype=self.dtype)
-        if self.quantization != "none":
-            logger.info("int16 activations %s (%s)", "on" if self.int16_activations else "off",
-                        why)  # fmt: skip
-        self.kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, self.dtype, self.device,
-                                           int16_activations=self.int16_activations)
-        if self.kv_dtype != self.dtype:
-            logger.info("KV cache dtype %s (%s)", str(self.kv_dtype).removeprefix("torch."),
-                        why)  # fmt: skip
+        self.int16_activations, self.kv_dtype = pick_numerics(config, self.quantization,
+                                                              self.dtype, self.device)
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config, quantization=self.quantization,
                                 int16_activations=self.int16_activations)

@@ -10,6 +10,7 @@ from block_manager import KVCacheSpec, parse_size
 from engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.loading import parse_dtype
+from engine.loading.quantize import pick_int16_activations
 from kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
@@ -97,6 +98,24 @@ def pick_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, *,
         f"kv_cache_dtype {name} with a {str(dtype).removeprefix('torch.')} model: only the "
         "model's own dtype, or bfloat16 under a float32 model on the CPU",
         param="kv_cache_dtype")
+
+
+def pick_numerics(config: EngineConfig, quantization: str, dtype: torch.dtype,
+                  device: torch.device) -> tuple[bool, torch.dtype]:
+    """Whether the quantized linears take int16 activations, and the KV cache's dtype (which
+    follows them), each logged with its reason.
+
+    Raises:
+        InvalidRequestError: ``int16_activations`` or ``kv_cache_dtype`` cannot be served.
+    """
+    int16, why = pick_int16_activations(config.int16_activations, quantization=quantization,
+                                        dtype=dtype)  # fmt: skip
+    if quantization != "none":
+        logger.info("int16 activations %s (%s)", "on" if int16 else "off", why)
+    kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, dtype, device, int16_activations=int16)
+    if kv_dtype != dtype:
+        logger.info("KV cache dtype %s (%s)", str(kv_dtype).removeprefix("torch."), why)
+    return int16, kv_dtype
 
 
 def kv_memory_bytes(config: EngineConfig, device: torch.device,
