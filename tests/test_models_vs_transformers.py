@@ -30,6 +30,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
     ours = load_ours(str(path))
     expected = {
         "llama": (None, None),
+        "llama_yarn": (None, None),
         "mistral": (W, W, W),
         "qwen2": (None, W, W),  # layers below max_window_layers stay full
         "phi3": (W, W),

@@ -40,6 +40,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=2, rope_scaling={"rope_type": "linear",
                                                                        "factor": 2.0})),
     "mistral": ("MistralConfig", dict(num_hidden_layers=3, sliding_window=W)),
+    # YaRN: the tests' 6w tokens run past the 16 positions it was "trained" for
+    "llama_yarn": ("LlamaConfig", dict(num_hidden_layers=2, max_position_embeddings=64,
+                                       initializer_range=0.15,  # scores big enough to feel it
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 16,
+                                                        "rope_theta": 10000.0})),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True,
                                   sliding_window=W, max_window_layers=1)),
     "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=W, pad_token_id=0)),

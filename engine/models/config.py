@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
 class UnsupportedConfigError(ValueError):
@@ -20,11 +20,18 @@ class UnsupportedConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """Rotary embedding of one layer: ``theta``, linear ``factor`` and the rotated fraction."""
+    """Rotary embedding of one layer: ``theta``, linear ``factor`` and the rotated fraction;
+    for YaRN (``yarn_original`` > 0) the context it was trained for, the ramp's rotation
+    bounds, whether they are rounded out, and the cos/sin scale (`engine.models.layers`)."""
 
     theta: float
     factor: float = 1.0
     partial_factor: float = 1.0
+    yarn_original: int = 0  # YaRN's original_max_position_embeddings; 0: not YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # cos and sin are multiplied by it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,10 +88,27 @@ def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
             f"rope_scaling type {kind!r} ({where}) is not implemented; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    theta = float(params.get("rope_theta", 10000.0))
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if kind != "yarn":
+        return RopeConfig(theta=theta, partial_factor=partial,
+                          factor=float(params.get("factor", 1.0)) if kind == "linear" else 1.0)
+    if not params.get("factor") or not params.get("original_max_position_embeddings"):
+        raise UnsupportedConfigError(f"yarn rope ({where}) needs factor and "
+                                     "original_max_position_embeddings")  # fmt: skip
+    factor = float(params["factor"])
+    attention = params.get("attention_factor")
+    if attention is None:  # YaRN's sqrt(1/t) = 0.1 ln(s) + 1, or a ratio of two such terms
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
     return RopeConfig(
-        theta=float(params.get("rope_theta", 10000.0)),
-        factor=float(params.get("factor", 1.0)) if kind == "linear" else 1.0,
-        partial_factor=float(params.get("partial_rotary_factor", 1.0)),
+        theta=theta, factor=factor, partial_factor=partial,
+        yarn_original=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)), attention_factor=float(attention),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -93,7 +94,11 @@ class Rotary:
         # NOTE: on the CPU explicitly: models are built under the meta device.
         exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device="cpu").float()
         exponents = exponents / self.rot_dim
-        self.inv_freq = 1.0 / (rope.theta**exponents) / rope.factor
+        if rope.yarn_original:
+            self.inv_freq = yarn_inv_freq(rope, self.rot_dim, rope.theta**exponents)
+        else:
+            self.inv_freq = 1.0 / (rope.theta**exponents) / rope.factor
+        self.attention_factor = rope.attention_factor
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def _table(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +109,10 @@ class Rotary:
             freqs = positions[:, None] * self.inv_freq
             emb = (freqs.repeat_interleave(2, dim=-1) if self.interleaved
                    else torch.cat((freqs, freqs), dim=-1))
-            table = torch.stack((emb.cos(), emb.sin())).to(device=device, dtype=dtype)
+            table = torch.stack((emb.cos(), emb.sin()))
+            if self.attention_factor != 1.0:  # YaRN scales q.k through both rotations
+                table = table * self.attention_factor
+            table = table.to(device=device, dtype=dtype)
             self._tables[(device, dtype)] = table
         return table
 
@@ -114,6 +122,31 @@ class Rotary:
         table = self._table(max_position, positions.device, dtype)
         picked = table[:, positions][:, :, None, :]
         return picked[0], picked[1]
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int, wavelengths: torch.Tensor) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" frequencies (arXiv 2309.00071, section 3.2): dimension pairs
+    that turn more than ``beta_fast`` times over the original context keep their frequency
+    (extrapolate), those that turn fewer than ``beta_slow`` times are divided by the factor
+    (interpolate), and a linear ramp blends the pairs between.
+
+    Args:
+        wavelengths: theta ** (2i / dim) for the dim / 2 pairs, float32.
+    """
+    def pair_of(turns: float) -> float:  # the pair index that turns `turns` times
+        return (dim * math.log(rope.yarn_original / (turns * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=wavelengths.device) - low)
+    ramp = (ramp / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided)
+    return (1.0 / (rope.factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
