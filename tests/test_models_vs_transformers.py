@@ -39,6 +39,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "olmo3": (W, W, W, None),
         "exaone4": (W, W, W, None),
         "cohere2": (W, W, W, None),
+        "gpt_oss": (W, None, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

@@ -75,6 +75,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         num_hidden_layers=4, sliding_window=W, sliding_window_pattern=4,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
                      "full_attention"])),
+    # sinks in every attention, a top-2-of-4 mixture of experts with the clamped SwiGLU,
+    # YaRN, biased q/k/v/o, sliding and full layers alternating
+    "gpt_oss": ("GptOssConfig", dict(
+        num_hidden_layers=4, sliding_window=W, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, initializer_range=0.3, swiglu_limit=1.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"], max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 10000.0})),
     # LayerNorm, attention and MLP side by side on one norm, interleaved rotary on the
     # sliding layers only, logits scaled
     "cohere2": ("Cohere2Config", dict(

@@ -67,6 +67,11 @@ class ModelConfig:
     layer_norm: bool = False  # mean-centred LayerNorm without bias instead of RMSNorm (Cohere)
     rotary_interleaved: bool = False  # rotate features (2i, 2i + 1), not (i, i + d/2) (Cohere)
     logit_scale: float = 1.0  # logits times this (Cohere)
+    attn_sinks: bool = False  # a learned sink logit per head in the softmax (gpt-oss)
+    num_experts: int = 0  # > 0: the MLP is a top-k mixture of experts (gpt-oss)
+    experts_per_token: int = 0
+    swiglu_limit: float = 7.0  # the experts' clamp
+    swiglu_alpha: float = 1.702
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3, EXAONE 4)
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections (OLMo 2/3)
     eos_token_ids: tuple[int, ...] = ()
@@ -118,7 +123,8 @@ def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
     window: int | None = getattr(cfg, "sliding_window", None)
     if model_type in ("mistral", "phi3"):  # one window for every layer, if set
         return (window,) * n
-    if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4", "cohere2"):
+    if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4", "cohere2",
+                      "gpt_oss"):
         types = list(cfg.layer_types)
         for t in types:
             if t not in ("sliding_attention", "full_attention"):
@@ -155,7 +161,7 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
     windows = _windows(cfg, model_type)
     # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
     attention_bias = model_type in ("llama", "gemma2", "gemma3_text", "olmo3",
-                                    "cohere2") and bool(
+                                    "cohere2", "gpt_oss") and bool(
         getattr(cfg, "attention_bias", False)
     )
     params = cfg.rope_parameters
@@ -197,6 +203,11 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         layer_norm=model_type == "cohere2",
         rotary_interleaved=model_type == "cohere2",
         logit_scale=float(getattr(cfg, "logit_scale", None) or 1.0),
+        attn_sinks=model_type == "gpt_oss",
+        num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
+        experts_per_token=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
+        swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
+        swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
         qk_norm=model_type in ("gemma3_text", "exaone4"),
         qk_norm_full=model_type == "olmo3",
         eos_token_ids=_eos(cfg),
@@ -204,4 +215,4 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "olmo3",
-                         "exaone4", "cohere2")
+                         "exaone4", "cohere2", "gpt_oss")

@@ -10,6 +10,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.layers import MLP, Attention, Rotary, make_norm
+from engine.models.moe import MoE
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, its group's (key_cache, value_cache): [num_blocks, block_size, kv_heads, dim]."""
@@ -25,7 +26,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, group)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg)
         self.placement = cfg.norm_placement
         names = {"pre": ["input_layernorm", "post_attention_layernorm"],
                  "sandwich": ["input_layernorm", "post_attention_layernorm",

@@ -212,6 +212,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
         self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
+        # gpt-oss: a learned logit per head that joins the softmax's denominator
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
         self.interleaved = cfg.rotary_interleaved  # the compiled pass is half-split only
         self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
         if self.qk_norm or self.qk_norm_full:  # per head, or over the whole projection
@@ -265,6 +267,7 @@ class Attention(nn.Module):
             q, k, v, key_cache, value_cache, tables.block_tables, batch.query_start_loc,
             batch.context_lens, scale=self.scale, sliding_window=self.window,
             ring_blocks=tables.ring_blocks, softcap=self.softcap,
+            sinks=None if self.sinks is None else self.sinks.float(),
         )
         kernels.write_kv(k, v, key_cache, value_cache, tables.slot_mapping)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
