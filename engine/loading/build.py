@@ -14,6 +14,7 @@ import torch
 
 from engine.kv_cache import model_layer_groups
 from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
+from engine.loading.mxfp4 import merge_mxfp4
 from engine.loading.quantize import quantize_model
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
 from engine.models.packed_linear import (
@@ -63,7 +64,7 @@ def load_model(
         model = CausalLM(cfg, model_layer_groups(cfg))
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.load_weights(iter_weights(path))
+    model.load_weights(merge_mxfp4(iter_weights(path)))  # MXFP4 experts widened once
     # NOTE: float weights are fused before they are quantized; GGUF blocks arrive one
     # tensor at a time and are fused by `quantize_model` where their block types agree.
     if quantization in ("int8", "int4"):

@@ -1,0 +1,83 @@
+"""MXFP4 expert weights: our reading against transformers' own dequantisation, and a gpt-oss
+checkpoint stored in MXFP4 served as transformers runs it."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import safetensors.torch
+import torch
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from engine.loading.mxfp4 import FP4_VALUES, dequantize_mxfp4, merge_mxfp4, quantize_mxfp4
+from tests.model_harness import RingHarness, load_ours
+from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 64), (3, 96, 32), (1, 5, 128)])
+def test_dequantize_matches_transformers(shape: tuple[int, ...]) -> None:
+    """On weights we quantise ourselves: transformers' convert_moe_packed_tensors (which
+    also transposes to [experts, in, out]) and our merge read the same numbers."""
+    torch.manual_seed(sum(shape))
+    weight = torch.randn(*shape) * torch.rand(*shape[:-1], 1) * 3
+    blocks, scales = quantize_mxfp4(weight)
+    ours = dequantize_mxfp4(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    torch.testing.assert_close(ours.transpose(1, 2), theirs, rtol=0, atol=0)
+    merged = dict(merge_mxfp4([("x_scales", scales), ("y", weight), ("x_blocks", blocks)]))
+    torch.testing.assert_close(merged["x"], theirs, rtol=0, atol=0)
+    assert torch.equal(merged["y"], weight)
+
+
+def test_quantizer_is_the_nearest_code() -> None:
+    """Every value lands on the FP4 grid times its block's power of two, at the nearest
+    grid point, and exact grid values survive."""
+    grid = torch.tensor(FP4_VALUES)
+    exact = grid[torch.randint(16, (4, 64))] * 2.0**-3
+    exact[:, ::32] = 6 * 2.0**-3  # each block's largest value sets its exponent
+    blocks, scales = quantize_mxfp4(exact)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), exact)
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    blocks, scales = quantize_mxfp4(x)
+    step = torch.ldexp(torch.ones(8, 2), scales.int() - 127).repeat_interleave(32, dim=1)
+    got = dequantize_mxfp4(blocks, scales)
+    candidates = (grid.abs().unique()[None, None, :] * step[..., None])
+    best = (x.abs()[..., None] - candidates).abs().min(-1).values
+    torch.testing.assert_close((x.abs() - got.abs()).abs(), best)
+
+
+def test_lone_pieces_pass_through() -> None:
+    t = torch.zeros(2, dtype=torch.uint8)
+    assert dict(merge_mxfp4([("a_scales", t)])) == {"a_scales": t}
+
+
+def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path) -> None:
+    """The tiny gpt-oss with its expert weights stored as MXFP4 blocks and scales: our model
+    reads them and matches transformers running the same weights dequantised by its own
+    convert_moe_packed_tensors, in a plain checkpoint beside it."""
+    path = make_checkpoint("gpt_oss", tmp_path)
+    (file,) = path.glob("*.safetensors")
+    original = safetensors.torch.load_file(str(file))
+    packed: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in original.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[name] = plain[name] = tensor
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (ref_dir / f.name).write_bytes(f.read_bytes())
+    safetensors.torch.save_file(plain, str(ref_dir / file.name), metadata={"format": "pt"})
+    safetensors.torch.save_file(packed, str(file), metadata={"format": "pt"})
+    ids = random_tokens(6 * W, seed=4)
+    with torch.no_grad():
+        expected = hf_reference(ref_dir)(torch.tensor([ids])).logits[0]
+    got = RingHarness(load_ours(str(path)), B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
