@@ -72,9 +72,13 @@ def wait_ready(server: Server, timeout: float) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited: {server.log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{server.url}/health", timeout=2)
+            if health.status_code == 200:
                 return
-        except httpx.HTTPError:
+            if health.json().get("status") == "failed":  # the engine did not start: say why
+                raise RuntimeError(f"server failed to start: {health.json().get('error')}\n"
+                                   f"{server.log.read_text()[-3000:]}")
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.25)
     raise TimeoutError(f"server not ready after {timeout} s: {server.log.read_text()[-3000:]}")
