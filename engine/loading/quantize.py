@@ -127,7 +127,7 @@ def pick_int16_activations(name: str | None, *, quantization: str,
     if cpu_isa.bf16_arithmetic():
         return False, "auto: this CPU has bf16 arithmetic; float32 stays float32"
     if not cpu_quant.int16_act_fast():
-        return False, f"auto: the {cpu_isa.info().variant} kernels have no SIMD int8 dot"
+        return False, f"auto: the {cpu_isa.info().variant} kernels have no SIMD int16 dot"
     return True, f"auto: {cpu_isa.info().cls} CPU without bf16 arithmetic"
 
 
