@@ -10,6 +10,7 @@ from block_manager.budget import (
     parse_size,
     plan_num_blocks,
     sequences_that_fit,
+    slab_layers,
 )
 from block_manager.manager import KVCacheError, KVCacheManager, KVStats, RequestTooLargeError
 from block_manager.pool import BlockPool, BlockPoolError
@@ -36,5 +37,6 @@ __all__ = [
     "plan_num_blocks",
     "ring_length",
     "sequences_that_fit",
+    "slab_layers",
     "table_index",
 ]

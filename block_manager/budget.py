@@ -17,18 +17,19 @@ from block_manager.ring import blocks_for_tokens, ring_length
 class LayerGroup:
     """Layers that share a window and one block table per sequence.
 
-    A model's layers of one window are split into groups of the same number of layers
-    (`group_layers`), so every group's block is the same size and all of them share one
-    pool: a block id addresses the same slot of the cache tensor that the j-th layer of
-    every group uses.
+    A model's layers of one window and one KV shape are split into groups (`group_layers`)
+    whose K and V for a block take (nearly) the same bytes, so all of them share one pool
+    of equal blocks: a block id addresses one slab of the cache, which the group holding it
+    divides among its layers. A group of larger layers (Gemma 4's full layers: 512-dim
+    heads) holds fewer layers per block than a group of smaller ones.
 
     Args:
         name: the window's label for logs and metrics ("sliding_512", "full"); the groups
             of one window share it.
         window: the sliding window ``w`` in tokens, or None for full attention.
         layer_ids: the model's layer indices in this group.
-        num_kv_heads: KV heads per layer.
-        head_dim: size of one head.
+        num_kv_heads: KV heads of each of its layers.
+        head_dim: size of one head of its layers.
     """
 
     name: str
@@ -45,13 +46,20 @@ class LayerGroup:
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError("num_kv_heads and head_dim must be >= 1")
 
+    @property
+    def row(self) -> int:
+        """Elements of one token of one layer's K (or V): ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
 
 @dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     """The shape of a model's KV cache: one pool of equal blocks shared by its layer groups.
 
-    A block holds ``block_size`` tokens of K and V for ``layers_per_block`` layers (the
-    largest group; a smaller group leaves its block's other layer slots unused).
+    A block is a slab of ``block_size`` tokens of K and V, ``slab_row`` elements a token
+    each, for whichever group holds it: the group's layers one after another, ``row``
+    elements a token each (`LayerGroup.row`); a group that needs less leaves the rest of
+    the slab unused (`padding`).
     """
 
     block_size: int
@@ -66,20 +74,31 @@ class KVCacheSpec:
             raise ValueError(f"dtype_bytes must be >= 1, got {self.dtype_bytes}")
         if not self.groups:
             raise ValueError("a KV cache needs at least one layer group")
-        if len({(g.num_kv_heads, g.head_dim) for g in self.groups}) > 1:
-            raise ValueError("one pool needs every layer group to have the same KV heads "
-                             "and head size")
+
+    @property
+    def slab_row(self) -> int:
+        """K elements per token of a block (and as many of V): the largest group's need."""
+        return max(len(g.layer_ids) * g.row for g in self.groups)
+
+    @property
+    def uniform(self) -> bool:
+        """Every group's layers have the same KV heads and head size."""
+        return len({(g.num_kv_heads, g.head_dim) for g in self.groups}) == 1
 
     @property
     def layers_per_block(self) -> int:
+        """The most layers one block holds (every group's, for a uniform model)."""
         return max(len(g.layer_ids) for g in self.groups)
 
     @property
     def block_bytes(self) -> int:
-        """``2 * b * num_kv_heads * head_dim * dtype_bytes * layers_per_block`` (K and V)."""
-        g = self.groups[0]
-        return (2 * self.block_size * g.num_kv_heads * g.head_dim * self.dtype_bytes
-                * self.layers_per_block)
+        """``2 * b * slab_row * dtype_bytes`` (K and V)."""
+        return 2 * self.block_size * self.slab_row * self.dtype_bytes
+
+    def padding(self, group: int) -> float:
+        """The share of a block that group ``group`` leaves unused."""
+        g = self.groups[group]
+        return 1 - len(g.layer_ids) * g.row / self.slab_row
 
     def ring_blocks(self, group: int) -> int | None:
         """Ring length ``R`` of group ``group`` (None for a full-attention group)."""
@@ -114,7 +133,7 @@ MAX_PADDING = 1 / 16
 
 
 def layers_per_group(counts: Sequence[int], max_padding: float = MAX_PADDING) -> int:
-    """Layers per group for windows holding ``counts`` layers each.
+    """Layers per group for windows holding ``counts`` layers each, all of one KV shape.
 
     The largest size up to the smallest count whose padding (the unused layer slots of each
     window's last, partial group) stays within ``max_padding`` of the pool. Any common
@@ -122,43 +141,78 @@ def layers_per_group(counts: Sequence[int], max_padding: float = MAX_PADDING) ->
     (15 sliding, 3 full) gets 3; gemma-3-4b (29, 5) gets 5 (1 slot of 35 unused) rather
     than 34 groups of one layer.
     """
-    if not counts or min(counts) < 1:
-        raise ValueError("every window needs at least one layer")
-    for size in range(min(counts), 0, -1):
-        slots = sum(-(-n // size) * size for n in counts)
-        if slots - sum(counts) <= max_padding * slots:
-            return size
-    raise AssertionError("size 1 pads nothing")  # pragma: no cover
+    return slab_layers(counts, [1] * len(counts), max_padding)[0]
+
+
+def slab_layers(counts: Sequence[int], rows: Sequence[int],
+                max_padding: float = MAX_PADDING) -> list[int]:
+    """Layers per group for classes of ``counts[c]`` layers of ``rows[c]`` KV elements a
+    token each, so that every group's block takes one slab of the same size.
+
+    The slab (elements a token) is the largest group's need; the largest one up to the
+    smallest class's whole size whose padding (slab space the groups leave unused) stays
+    within ``max_padding`` of the pool wins, and where none does, the one that pads least.
+    Gemma 4's 12 sliding layers of 256 and 3 full layers of 512 get slabs of 1536: two
+    groups of 6 sliding layers and one of 3 full ones, nothing unused.
+    """
+    if not counts or len(counts) != len(rows) or min(counts) < 1 or min(rows) < 1:
+        raise ValueError("every class needs at least one layer of a positive row")
+    classes = list(zip(counts, rows, strict=True))
+    top = max(max(rows), min(n * r for n, r in classes))
+    candidates = sorted({k * r for n, r in classes for k in range(1, n + 1)
+                         if max(rows) <= k * r <= top}, reverse=True)
+    best: tuple[float, list[int]] | None = None
+    for target in candidates:
+        sizes = [min(n, target // r) for n, r in classes]
+        slab = max(k * r for k, (_n, r) in zip(sizes, classes, strict=True))
+        total = sum(-(-n // k) for k, (n, _r) in zip(sizes, classes, strict=True)) * slab
+        pad = 1 - sum(n * r for n, r in classes) / total
+        if pad <= max_padding:
+            return sizes
+        if best is None or pad < best[0]:
+            best = (pad, sizes)
+    assert best is not None
+    return best[1]
 
 
 def group_layers(
-    windows: Sequence[int | None], *, num_kv_heads: int, head_dim: int
+    windows: Sequence[int | None], *, num_kv_heads: int | Sequence[int],
+    head_dim: int | Sequence[int], layer_ids: Sequence[int] | None = None,
 ) -> tuple[LayerGroup, ...]:
-    """Group a model's layers by window, then split each window into equal groups.
+    """Group a model's layers by window and KV shape, then split each class into groups
+    that fill one slab each (`slab_layers`).
 
     Args:
         windows: per layer, its sliding window or None for full attention.
-        num_kv_heads: KV heads per layer.
-        head_dim: size of one head.
+        num_kv_heads: KV heads, one for every layer or per layer.
+        head_dim: size of one head, one for every layer or per layer.
+        layer_ids: the model's index of each entry (default 0, 1, ...): the layers that
+            keep KV of their own, where some read another layer's (Gemma 4).
 
     Returns:
-        `LayerGroup` s of `layers_per_group` layers (a window's last group may have
-        fewer), windows in order of first appearance, each window's layers in order.
+        `LayerGroup` s, classes in order of first appearance, each class's layers in order
+        (a class's last group may have fewer).
     """
-    order: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(windows):
-        order.setdefault(window, []).append(layer)
-    size = layers_per_group([len(ids) for ids in order.values()])
+    n = len(windows)
+    heads = [num_kv_heads] * n if isinstance(num_kv_heads, int) else list(num_kv_heads)
+    dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
+    ids = list(range(n)) if layer_ids is None else list(layer_ids)
+    if not len(heads) == len(dims) == len(ids) == n:
+        raise ValueError("windows, num_kv_heads, head_dim and layer_ids differ in length")
+    order: dict[tuple[int | None, int, int], list[int]] = {}
+    for layer, window, h, d in zip(ids, windows, heads, dims, strict=True):
+        order.setdefault((window, h, d), []).append(layer)
+    sizes = slab_layers([len(v) for v in order.values()], [h * d for _w, h, d in order])
     return tuple(
         LayerGroup(
             name="full" if w is None else f"sliding_{w}",
             window=w,
-            layer_ids=tuple(ids[i : i + size]),
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            layer_ids=tuple(members[i : i + size]),
+            num_kv_heads=h,
+            head_dim=d,
         )
-        for w, ids in order.items()
-        for i in range(0, len(ids), size)
+        for ((w, h, d), members), size in zip(order.items(), sizes, strict=True)
+        for i in range(0, len(members), size)
     )
 
 
@@ -206,15 +260,22 @@ def capacity(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> Capacity
     """Concurrent sequences that fit the pool, in numbers and words."""
     by_tokens = {n: sequences_that_fit(spec, num_blocks, n)
                  for n in capacity_lengths(spec, max_model_len)}
+    held = (f"{spec.layers_per_block} layers" if spec.uniform else
+            f"{spec.slab_row} K and V elements a token")
     parts = [f"KV pool: {num_blocks} blocks of {spec.block_size} tokens x "
-             f"{spec.layers_per_block} layers ({spec.block_bytes / 2**10:g} KiB each)"]
+             f"{held} ({spec.block_bytes / 2**10:g} KiB each)"]
     for name, members in spec.names().items():
-        layers = sum(len(spec.groups[i].layer_ids) for i in members)
-        ring = spec.ring_blocks(members[0])
-        k = len(members)
-        share = (f"{k} ring{'s' * (k > 1)} of {ring} blocks" if ring is not None
-                 else f"{k} growing row{'s' * (k > 1)}")
-        parts.append(f"group {name} ({layers} layers): {share}")
+        for shape in dict.fromkeys((spec.groups[i].num_kv_heads, spec.groups[i].head_dim)
+                                   for i in members):
+            same = [i for i in members
+                    if (spec.groups[i].num_kv_heads, spec.groups[i].head_dim) == shape]
+            layers = sum(len(spec.groups[i].layer_ids) for i in same)
+            ring = spec.ring_blocks(same[0])
+            k = len(same)
+            share = (f"{k} ring{'s' * (k > 1)} of {ring} blocks" if ring is not None
+                     else f"{k} growing row{'s' * (k > 1)}")
+            heads = "" if spec.uniform else f" of {shape[0]}x{shape[1]}"
+            parts.append(f"group {name} ({layers} layers{heads}): {share}")
     fits = ", ".join(f"{k} of {n} tokens" for n, k in by_tokens.items())
     worst = by_tokens[max_model_len]
     if spec.is_bounded and max_model_len >= max(g.window or 0 for g in spec.groups):

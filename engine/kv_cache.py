@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from block_manager import KVCacheSpec, group_layers
@@ -10,24 +12,32 @@ from engine.models import KVCaches, ModelConfig
 
 def kv_cache_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
                   prefix_caching: bool = False, speculative_tokens: int = 0) -> KVCacheSpec:
-    """The block manager's view of a model: its layer groups by window; each ring holds
-    ``b - 1`` tokens beyond its window with prefix caching, and ``k`` more with ``k``
-    speculative tokens (see `block_manager.ring`)."""
+    """The block manager's view of a model: its layer groups by window and KV shape (the
+    layers that keep K/V of their own: Gemma 4's last layers attend to an earlier one's);
+    each ring holds ``b - 1`` tokens beyond its window with prefix caching, and ``k`` more
+    with ``k`` speculative tokens (see `block_manager.ring`)."""
+    own = [i for i in range(cfg.num_layers) if cfg.kv_source_of(i) == i]
     return KVCacheSpec(
         block_size=block_size,
         ring_slack=(block_size - 1 if prefix_caching else 0) + speculative_tokens,
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-        groups=group_layers(cfg.layer_windows, num_kv_heads=cfg.num_kv_heads,
-                            head_dim=cfg.head_dim),
+        groups=group_layers([cfg.layer_windows[i] for i in own],
+                            num_kv_heads=[cfg.kv_heads_of(i) for i in own],
+                            head_dim=[cfg.head_dim_of(i) for i in own], layer_ids=own),
     )
 
 
-def layer_group_index(spec: KVCacheSpec, num_layers: int) -> list[int]:
-    """Per layer, the index of the group that holds it."""
-    index = [0] * num_layers
+def layer_group_index(spec: KVCacheSpec, num_layers: int,
+                      kv_source: Sequence[int] = ()) -> list[int]:
+    """Per layer, the index of the group that holds its K/V (a layer that attends to
+    another's, ``kv_source[layer] != layer``, that layer's group)."""
+    index = [-1] * num_layers
     for g, group in enumerate(spec.groups):
         for layer in group.layer_ids:
             index[layer] = g
+    for layer, source in enumerate(kv_source):
+        index[layer] = index[source]
+    assert min(index, default=0) >= 0, "every layer's K/V belongs to a group"
     return index
 
 
@@ -37,26 +47,39 @@ def allocate_kv_caches(
     num_layers: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    kv_source: Sequence[int] = (),
 ) -> KVCaches:
-    """Per layer, its (K, V) cache: the j-th layer of every group shares pair j.
+    """Per layer, its (K, V) cache ``[num_blocks, block_size, kv_heads, head_dim]``: views
+    of one zeroed K slab and one V slab ``[num_blocks, block_size * spec.slab_row]``.
 
-    ``spec.layers_per_block`` zeroed ``[num_blocks, block_size, kv_heads, head_dim]`` pairs;
-    a block id belongs to one group of one sequence at a time, so the layers sharing a
-    pair never touch the same block.
+    Block ``n`` of a group is row ``n`` of the slabs, its layers one after another in it
+    (``block_size * row`` elements each), so a view's blocks are ``block_size *
+    spec.slab_row`` elements apart. A block id belongs to one group of one sequence at a
+    time, so the layers of different groups that view the same row never touch it at once.
+    A layer that attends to another's K/V (``kv_source``) gets that layer's views.
     """
-    g0 = spec.groups[0]
-    shape = (num_blocks, spec.block_size, g0.num_kv_heads, g0.head_dim)
-    pairs = [(torch.zeros(shape, dtype=dtype, device=device),
-              torch.zeros(shape, dtype=dtype, device=device))
-             for _ in range(spec.layers_per_block)]
+    slab = spec.block_size * spec.slab_row
+    slabs = [torch.zeros((num_blocks, slab), dtype=dtype, device=device) for _ in range(2)]
     caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
     for group in spec.groups:
+        size = spec.block_size * group.row
         for j, layer in enumerate(group.layer_ids):
-            caches[layer] = pairs[j]
+            k, v = (s[:, j * size : (j + 1) * size].view(
+                num_blocks, spec.block_size, group.num_kv_heads, group.head_dim)
+                for s in slabs)  # fmt: skip
+            caches[layer] = (k, v)
+    for layer, source in enumerate(kv_source):
+        caches[layer] = caches[source]
     assert all(c is not None for c in caches), "every layer belongs to a group"
     return [c for c in caches if c is not None]
 
 
+def model_kv_sources(cfg: ModelConfig) -> list[int]:
+    """Per layer, the layer whose K/V it attends to (itself but for Gemma 4's sharing)."""
+    return [cfg.kv_source_of(i) for i in range(cfg.num_layers)]
+
+
 def model_layer_groups(cfg: ModelConfig) -> list[int]:
     """Per layer, its KV group index, in the order `kv_cache_spec` builds the groups."""
-    return layer_group_index(kv_cache_spec(cfg, 1, torch.float32), cfg.num_layers)
+    return layer_group_index(kv_cache_spec(cfg, 1, torch.float32), cfg.num_layers,
+                             model_kv_sources(cfg))

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.cpu_threads import apply_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.kv_cache import allocate_kv_caches, kv_cache_spec
+from engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
 from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from engine.loading.quantize import pick_quantization, weight_bytes
 from engine.model_runner import ModelRunner
@@ -92,7 +92,7 @@ class LLMEngine:
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  speculative_tokens=k)
         caches = allocate_kv_caches(spec, num_blocks, mcfg.num_layers, self.kv_dtype,
-                                    self.device)
+                                    self.device, model_kv_sources(mcfg))
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    speculative=self.speculative)

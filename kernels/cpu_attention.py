@@ -61,8 +61,10 @@ def paged_attention_cpu(
     seqs, tokens, ctxs = plan.decode_index
     if seqs.numel():
         ops().paged_decode(
-            query.contiguous(), key.contiguous(), value.contiguous(), key_cache.contiguous(),
-            value_cache.contiguous(), block_tables.to(torch.int32).contiguous(), seqs, tokens,
+            # NOTE: the caches as they are (a copy would be read, not the cache): the kernel
+            # takes any block stride (views of a slab, engine/kv_cache.py) and checks them
+            query.contiguous(), key.contiguous(), value.contiguous(), key_cache,
+            value_cache, block_tables.to(torch.int32).contiguous(), seqs, tokens,
             ctxs, result, scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0,
             None if sinks is None else sinks.float().contiguous(),
         )  # fmt: skip

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.torch_gather import gather_rows
+from kernels.torch_gather import flat_rows, gather_rows
 from kernels.torch_plan import DecodeRows, PrefillRow, step_plan
 
 # NOTE: a prefill chunk is processed in query slices of this many tokens, which bounds the
@@ -243,8 +243,9 @@ def write_kv_reference(
         slots = slots[keep]
     for cache, new in ((key_cache, key), (value_cache, value)):
         rows = (new if keep is None else new[keep]).to(cache.dtype)
-        if cache.stride(0) == block_size * cache.stride(1):  # flat view: one index_copy_
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        flat, index = flat_rows(cache, slots)
+        if flat is not None:  # one index_copy_
+            flat.index_copy_(0, index, rows)
         else:
             blocks = torch.div(slots, block_size, rounding_mode="floor")
             cache[blocks, slots % block_size] = rows

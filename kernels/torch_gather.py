@@ -86,10 +86,35 @@ def gather_rows(cache: torch.Tensor, rows: torch.Tensor, name: str, extra: int =
     row_shape = tuple(cache.shape[2:])
     n = rows.numel()
     out = _SCRATCH.get(name, (n + extra, *row_shape), cache)
-    block_size = cache.shape[1]
-    if cache.stride(0) == block_size * cache.stride(1):
-        torch.index_select(cache.view(-1, *row_shape), 0, rows.view(-1), out=out[:n])
+    flat, index = flat_rows(cache, rows.view(-1))
+    if flat is not None:
+        torch.index_select(flat, 0, index, out=out[:n])
     else:  # unusual layout: plain advanced indexing
-        flat = rows.view(-1)
-        out[:n] = cache[torch.div(flat, block_size, rounding_mode="floor"), flat % block_size]
+        block_size = cache.shape[1]
+        out[:n] = cache[torch.div(index, block_size, rounding_mode="floor"),
+                        index % block_size]
     return out if extra else out.view(*rows.shape, *row_shape)
+
+
+def flat_rows(cache: torch.Tensor,
+              slots: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A ``[rows, num_kv_heads, head_dim]`` view of ``cache`` and ``slots`` (``block *
+    block_size + offset``) as its row indices; (None, slots) for a layout it cannot view.
+
+    A cache is a view of one slab row per block (`engine.kv_cache.allocate_kv_caches`):
+    its blocks are ``cache.stride(0)`` elements apart, a whole number of token rows, so
+    one strided view covers every block and slot ``s`` is row ``s + (s // b) * (r - b)``
+    for ``r`` rows a block.
+    """
+    block_size = cache.shape[1]
+    row = cache.stride(1)
+    if cache.stride(0) == block_size * row:  # contiguous: the plain flat view
+        return cache.view(-1, *cache.shape[2:]), slots
+    if row == 0 or cache.stride(0) % row or cache.shape[0] == 0 or \
+            cache[0, 0].stride() != (cache.shape[3], 1) or row != cache[0, 0].numel():
+        return None, slots
+    per_block = cache.stride(0) // row
+    count = (cache.shape[0] - 1) * per_block + block_size
+    flat = cache.as_strided((count, *cache.shape[2:]), (row, cache.shape[3], 1))
+    shifted = slots + torch.div(slots, block_size, rounding_mode="floor") * (per_block - block_size)
+    return flat, shifted

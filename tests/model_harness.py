@@ -12,7 +12,7 @@ import torch
 
 from block_manager import KVCacheManager
 from engine.forward_batch import ForwardBatch, GroupTables
-from engine.kv_cache import allocate_kv_caches, kv_cache_spec
+from engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
 from engine.loading import load_model
 from engine.models import CausalLM
 
@@ -28,7 +28,8 @@ class RingHarness:
         self.spec = kv_cache_spec(cfg, block_size, dtype)
         blocks = self.spec.pool_blocks_needed(max_tokens) * num_seqs
         self.kv = KVCacheManager(self.spec, blocks, max_model_len=max_tokens, debug=True)
-        self.caches = allocate_kv_caches(self.spec, blocks, cfg.num_layers, dtype, "cpu")
+        self.caches = allocate_kv_caches(self.spec, blocks, cfg.num_layers, dtype, "cpu",
+                                         model_kv_sources(cfg))
         for k, v in self.caches:
             k.fill_(float("nan"))
             v.fill_(float("nan"))

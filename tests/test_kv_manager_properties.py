@@ -11,6 +11,7 @@ free or in exactly one table row.
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,15 +23,26 @@ from hypothesis.stateful import (
     rule,
 )
 
+import kernels
 from block_manager import (
     SKIP_SLOT,
     KVCacheManager,
     KVCacheSpec,
+    LayerGroup,
     RequestTooLargeError,
     group_layers,
 )
+from engine.kv_cache import allocate_kv_caches
 
 windows = st.one_of(st.none(), st.integers(1, 20))
+# a layer: its window and its head size (Gemma 4: full layers with larger heads), so one
+# pool serves groups whose K/V per token differ (fewer layers a block where they are larger)
+layers = st.tuples(windows, st.sampled_from([4, 8, 12]))
+
+
+def mixed_groups(model_layers: list[tuple[int | None, int]]) -> tuple[LayerGroup, ...]:
+    return group_layers([w for w, _ in model_layers], num_kv_heads=1,
+                        head_dim=[d for _, d in model_layers])
 
 
 def expected_slot(row: list[int], position: int, b: int, window: int | None) -> int:
@@ -51,24 +63,32 @@ def release_all(machine: RuleBasedStateMachine) -> None:
     assert kv.pool.num_free == kv.pool.num_blocks
 
 
+def _codes(sid: int, positions: range, layer: int) -> torch.Tensor:
+    """A value naming (sequence, position, layer) exactly in float32."""
+    return ((sid * 128 + torch.tensor(list(positions), dtype=torch.float32)) * 16 + layer + 1)
+
+
 class RingMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
     @initialize(
         block_size=st.integers(1, 8),
-        layer_windows=st.lists(windows, min_size=1, max_size=8),
+        layer_windows=st.lists(layers, min_size=1, max_size=8),
         pool_blocks=st.integers(0, 120),
     )
-    def setup(self, block_size: int, layer_windows: list[int | None],
+    def setup(self, block_size: int, layer_windows: list[tuple[int | None, int]],
               pool_blocks: int) -> None:
         self.b = block_size
         self.spec = KVCacheSpec(
             block_size=block_size,
             dtype_bytes=2,
-            groups=group_layers(layer_windows, num_kv_heads=1, head_dim=4),
+            groups=mixed_groups(layer_windows),
         )
         self.windows = [g.window for g in self.spec.groups]
         self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=64, debug=True)
+        # the real cache tensors: every layer's views of the one K and V slab per block
+        self.caches = allocate_kv_caches(self.spec, pool_blocks, len(layer_windows),
+                                         torch.float32, "cpu")
         self.shadow: dict[int, tuple[int, int, int]] = {}
         self.limit: dict[int, int] = {}
         self.length: dict[int, int] = {}
@@ -110,6 +130,12 @@ class RingMachine(RuleBasedStateMachine):
             for offset, slot in enumerate(slots):
                 if slot != SKIP_SLOT:
                     self.shadow[slot] = (g, sid, start + offset)
+            for layer in self.spec.groups[g].layer_ids:  # what each layer's K/V would be
+                group = self.spec.groups[g]
+                rows = _codes(sid, range(start, start + n), layer)[:, None, None].expand(
+                    n, group.num_kv_heads, group.head_dim)
+                kernels.write_kv(rows, -rows, *self.caches[layer],
+                                 torch.tensor(slots, dtype=torch.int64))
         self.length[sid] = start + n
 
     @rule(sid=seqs, n=st.integers(1, 50))
@@ -134,9 +160,18 @@ class RingMachine(RuleBasedStateMachine):
             rows = self.kv.block_tables(sid)
             for g, window in enumerate(self.windows):
                 lo = 0 if window is None else max(0, length - window)
+                slots = []
                 for p in range(lo, length):
                     slot = expected_slot(rows[g], p, self.b, window)
                     assert self.shadow.get(slot) == (g, sid, p), (sid, g, p)
+                    slots.append(slot)
+                index = torch.tensor(slots, dtype=torch.int64)
+                for layer in self.spec.groups[g].layer_ids:  # no other group's write hit it
+                    k, v = self.caches[layer]
+                    want = _codes(sid, range(lo, length), layer)[:, None, None]
+                    got_k = k[torch.div(index, self.b, rounding_mode="floor"), index % self.b]
+                    got_v = v[torch.div(index, self.b, rounding_mode="floor"), index % self.b]
+                    assert bool((got_k == want).all() and (got_v == -want).all()), (sid, layer)
 
     @invariant()
     def blocks_are_accounted(self) -> None:
@@ -200,18 +235,19 @@ class PrefixRingMachine(RuleBasedStateMachine):
 
     @initialize(
         block_size=st.integers(1, 4),
-        layer_windows=st.lists(windows, min_size=1, max_size=6),
+        layer_windows=st.lists(layers, min_size=1, max_size=6),
         pool_blocks=st.integers(8, 80),
         stems=st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1,
                        max_size=3),
         k=st.integers(0, 3),
     )
-    def setup(self, block_size: int, layer_windows: list[int | None], pool_blocks: int,
+    def setup(self, block_size: int, layer_windows: list[tuple[int | None, int]],
+              pool_blocks: int,
               stems: list[list[int]], k: int) -> None:
         self.b, self.k = block_size, k
         self.spec = KVCacheSpec(
             block_size=block_size, dtype_bytes=2, ring_slack=block_size - 1 + k,
-            groups=group_layers(layer_windows, num_kv_heads=1, head_dim=4),
+            groups=mixed_groups(layer_windows),
         )
         self.windows = [g.window for g in self.spec.groups]
         self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=80, debug=True,

@@ -299,3 +299,36 @@ def test_smollm2_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in text
     assert reused_without_converting("smollm2-135m-instruct", monkeypatch) == path
+
+
+def test_a_multimodal_gemma4_checkpoint_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 4 ships as one multimodal checkpoint (``model_type`` gemma4, the language
+    model's weights under ``model.language_model.``, vision and audio towers beside them):
+    we load its text model, skip the towers, and compute what the text-only one does."""
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM, SamplingParams
+    from tests.tiny_models import make_checkpoint, random_tokens
+
+    text = make_checkpoint("gemma4_text", tmp_path)
+    multi = tmp_path / "gemma4-multimodal"
+    multi.mkdir()
+    for f in text.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (multi / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((text / "config.json").read_text())
+    (multi / "config.json").write_text(json.dumps({
+        "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": raw, "vision_config": None, "audio_config": None,
+        "dtype": "float32"}))
+    weights = load_file(str(text / "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+    renamed["model.vision_tower.patch_embedder.weight"] = torch.zeros(3, 3)
+    save_file(renamed, str(multi / "model.safetensors"))
+    assert load_hf_config(multi).model_type == "gemma4_text"
+    prompt = {"prompt_token_ids": random_tokens(20, seed=4)}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = [LLM(str(path), dtype="float32", block_size=4, kv_cache_memory="1MiB",
+                max_model_len=64).generate([prompt], params)[0].outputs[0].token_ids
+            for path in (text, multi)]
+    assert outs[0] == outs[1] and len(outs[0]) == 12

@@ -40,6 +40,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "exaone4": (W, W, W, None),
         "cohere2": (W, W, W, None),
         "gpt_oss": (W, None, W, None),
+        "gemma4_text": (W, W, None, W, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

@@ -50,3 +50,21 @@ def test_yarn_without_its_lengths_is_refused() -> None:
         _rope({"rope_type": "yarn", "factor": 4.0}, "test")
     with pytest.raises(UnsupportedConfigError, match="dynamic"):
         _rope({"rope_type": "dynamic", "factor": 4.0}, "test")
+
+
+@pytest.mark.parametrize(("partial", "head_dim", "factor"),
+                         [(0.25, 512, 1.0), (0.5, 32, 1.0), (1.0, 64, 1.0), (0.25, 256, 8.0)])
+def test_proportional_matches_transformers(partial: float, head_dim: int, factor: float) -> None:
+    # Gemma 4's full layers: 0.25 of the 256 pairs of a 512-dim head rotate, the rest not
+    params = {"rope_type": "proportional", "partial_rotary_factor": partial,
+              "rope_theta": 1e6, "factor": factor}
+    cfg = transformers.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4,
+                                   head_dim=head_dim, rope_parameters=dict(params))
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu")
+    ours = Rotary(_rope(dict(params), "test"), head_dim)
+    assert attention == 1.0 and ours.rot_dim == head_dim
+    torch.testing.assert_close(ours.inv_freq, inv_freq.float(), rtol=1e-6, atol=0)
+    # it is not the plain partial rotary (exponents over the rotated part only)
+    rot = int(head_dim * partial)
+    plain = 1.0 / (1e6 ** (torch.arange(0, rot, 2).float() / rot)) / factor
+    assert not torch.allclose(ours.inv_freq[: rot // 2], plain) or partial == 1.0

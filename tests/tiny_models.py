@@ -87,6 +87,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                          "original_max_position_embeddings": 16, "rope_theta": 10000.0})),
     # LayerNorm, attention and MLP side by side on one norm, interleaved rotary on the
     # sliding layers only, logits scaled
+    # full layers of their own head size and KV heads whose values are the keys'
+    # projection, proportional rotary there, the last two layers attending to the K/V of the
+    # last earlier layer of their kind (with twice the MLP), per-layer input embeddings
+    "gemma4_text": ("Gemma4TextConfig", dict(
+        num_hidden_layers=6, sliding_window=W, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=2, attention_k_eq_v=True, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        use_double_wide_mlp=True, tie_word_embeddings=True, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional",
+                                            "partial_rotary_factor": 0.5,
+                                            "rope_theta": 1e6}})),
     "cohere2": ("Cohere2Config", dict(
         num_hidden_layers=4, sliding_window=W, logit_scale=4.0, tie_word_embeddings=True,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
@@ -129,6 +143,9 @@ def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False,
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+        for name, buf in model.named_buffers():  # Gemma 4's per-layer output scale
+            if name.endswith("layer_scalar"):
+                buf.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = eos_id
     path = root / (family + ("-eos" if eos else ""))
     model.save_pretrained(path)

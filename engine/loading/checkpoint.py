@@ -86,7 +86,25 @@ def load_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
         raise UnsupportedModelError(
             f"{config_file} has model_type {model_type!r}, which transformers cannot read: {err}"
         ) from err
-    return config
+    return language_config(config)
+
+
+MULTIMODAL = {"gemma4": "gemma4_text"}
+"""Multimodal model types whose language model we serve alone: its text config's type."""
+
+
+def language_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The text model's config of a multimodal checkpoint (Gemma 4's towers are left out;
+    their weights are skipped at load), else the config itself. The checkpoint's dtype
+    carries over where the text config names none."""
+    text = getattr(config, "text_config", None)
+    if config.model_type not in MULTIMODAL or text is None or \
+            text.model_type != MULTIMODAL[config.model_type]:
+        return config
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    result: PretrainedConfig = text
+    return result
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:

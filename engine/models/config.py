@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "proportional")
 
 
 class UnsupportedConfigError(ValueError):
@@ -32,6 +32,9 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0  # cos and sin are multiplied by it
+    # Gemma 4's "proportional" rotary: the first partial_factor of the frequency pairs of
+    # the whole head, exponents over the whole head size, the other pairs unrotated
+    proportional: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,17 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each q and k head before the rotary (Gemma 3, EXAONE 4)
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections (OLMo 2/3)
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 4 (empty tuples: every layer as the scalar fields say)
+    layer_head_dims: tuple[int, ...] = ()  # per layer, its head size
+    layer_kv_heads: tuple[int, ...] = ()  # per layer, its KV heads
+    layer_kv_source: tuple[int, ...] = ()  # per layer, the layer whose K/V it attends to
+    layer_k_is_v: tuple[bool, ...] = ()  # per layer: values are the keys' projection
+    layer_intermediate: tuple[int, ...] = ()  # per layer, its MLP's intermediate size
+    norm_weight_float32: bool = False  # RMSNorm multiplies by w in float32, then casts
+    v_norm: bool = False  # values RMS-normed per head, without a weight
+    per_layer_input: int = 0  # > 0: per-layer input embeddings of this size
+    per_layer_vocab: int = 0  # their vocabulary
+    layer_scalar: bool = False  # each layer's output times a learned scalar
 
     @property
     def scale(self) -> float:
@@ -83,6 +97,24 @@ class ModelConfig:
     @property
     def embed_scale(self) -> float:
         return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source_of(self, layer: int) -> int:
+        """The layer whose K/V ``layer`` attends to: itself, or (Gemma 4's last layers)
+        the last earlier layer of its kind that keeps its own."""
+        return self.layer_kv_source[layer] if self.layer_kv_source else layer
+
+    def k_is_v(self, layer: int) -> bool:
+        return bool(self.layer_k_is_v) and self.layer_k_is_v[layer]
+
+    def intermediate_of(self, layer: int) -> int:
+        return self.layer_intermediate[layer] if self.layer_intermediate else \
+            self.intermediate_size
 
 
 def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
@@ -95,6 +127,9 @@ def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
         )
     theta = float(params.get("rope_theta", 10000.0))
     partial = float(params.get("partial_rotary_factor", 1.0))
+    if kind == "proportional":
+        return RopeConfig(theta=theta, partial_factor=partial, proportional=True,
+                          factor=float(params.get("factor", 1.0)))
     if kind != "yarn":
         return RopeConfig(theta=theta, partial_factor=partial,
                           factor=float(params.get("factor", 1.0)) if kind == "linear" else 1.0)
@@ -124,7 +159,7 @@ def _windows(cfg: Any, model_type: str) -> tuple[int | None, ...]:
     if model_type in ("mistral", "phi3"):  # one window for every layer, if set
         return (window,) * n
     if model_type in ("qwen2", "gemma2", "gemma3_text", "olmo3", "exaone4", "cohere2",
-                      "gpt_oss"):
+                      "gpt_oss", "gemma4_text"):
         types = list(cfg.layer_types)
         for t in types:
             if t not in ("sliding_attention", "full_attention"):
@@ -154,14 +189,18 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
             f"model_type {model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     gemma = model_type in ("gemma2", "gemma3_text")
-    if gemma and getattr(cfg, "use_bidirectional_attention", False):
+    gemma4 = model_type == "gemma4_text"
+    # NOTE: Gemma 4's config refuses to say one head size: its first layer's stands for all
+    # (the per-layer ones are in `_gemma4_fields`)
+    shape = cfg.per_layer_config[0] if gemma4 else cfg
+    head_dim = getattr(shape, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if (gemma or gemma4) and getattr(cfg, "use_bidirectional_attention", False):
         raise UnsupportedConfigError("use_bidirectional_attention is not implemented")
     windows = _windows(cfg, model_type)
     # NOTE: llama and gemma put `attention_bias` on q, k, v and o; qwen2 always has q/k/v bias.
     attention_bias = model_type in ("llama", "gemma2", "gemma3_text", "olmo3",
-                                    "cohere2", "gpt_oss") and bool(
+                                    "cohere2", "gpt_oss", "gemma4_text") and bool(
         getattr(cfg, "attention_bias", False)
     )
     params = cfg.rope_parameters
@@ -175,16 +214,17 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         # these rotate only their sliding layers; the full layers have no position code
         ropes = tuple(r if w else None for r, w in zip(ropes, windows, strict=True))
     return ModelConfig(
+        **(_gemma4_fields(cfg, windows) if gemma4 else {}),
         model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_hidden_layers,
         num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        num_kv_heads=getattr(shape, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_eps,
-        hidden_act=cfg.hidden_activation if gemma else cfg.hidden_act,
+        hidden_act=cfg.hidden_activation if gemma or gemma4 else cfg.hidden_act,
         layer_windows=windows,
         layer_ropes=ropes,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -192,12 +232,12 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         o_bias=attention_bias,
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         fused_qkv=model_type == "phi3",
-        attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else 0.0,
+        attn_scale=cfg.query_pre_attn_scalar**-0.5 if gemma else 1.0 if gemma4 else 0.0,
         attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
         final_softcap=getattr(cfg, "final_logit_softcapping", None),
         norm_plus_one=gemma,
-        scale_embeddings=gemma,
-        norm_placement=("sandwich" if gemma else
+        scale_embeddings=gemma or gemma4,
+        norm_placement=("sandwich" if gemma or gemma4 else
                         "post" if model_type in ("olmo3", "exaone4") else
                         "parallel" if model_type == "cohere2" else "pre"),
         layer_norm=model_type == "cohere2",
@@ -208,11 +248,44 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         experts_per_token=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
         swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
-        qk_norm=model_type in ("gemma3_text", "exaone4"),
+        qk_norm=model_type in ("gemma3_text", "exaone4", "gemma4_text"),
         qk_norm_full=model_type == "olmo3",
         eos_token_ids=_eos(cfg),
     )
 
 
+def _gemma4_fields(cfg: Any, windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """Gemma 4's per-layer shapes: full layers with their own head size and KV heads (and
+    values equal to the keys' projection with ``attention_k_eq_v``), the last
+    ``num_kv_shared_layers`` attending to the K/V of the last earlier layer of their kind,
+    those with twice the MLP where ``use_double_wide_mlp``, and per-layer input embeddings.
+    """
+    if getattr(cfg, "enable_moe_block", False):
+        raise UnsupportedConfigError("Gemma 4's mixture-of-experts block (enable_moe_block) "
+                                     "is not implemented")
+    n = cfg.num_hidden_layers
+    per_layer = [cfg.per_layer_config[i] for i in range(n)]
+    modes = cfg.kv_sharing_modes
+    sources = list(range(n))
+    for i, mode in enumerate(modes):
+        if mode == "reuse":  # the last earlier layer of its kind that keeps its own K/V
+            sources[i] = max(j for j in range(i) if modes[j] != "reuse"
+                             and cfg.layer_types[j] == cfg.layer_types[i])
+    wide = bool(getattr(cfg, "use_double_wide_mlp", False))
+    return dict(
+        layer_head_dims=tuple(int(c.head_dim) for c in per_layer),
+        layer_kv_heads=tuple(int(c.num_key_value_heads) for c in per_layer),
+        layer_kv_source=tuple(sources),
+        layer_k_is_v=tuple(bool(cfg.attention_k_eq_v) and w is None for w in windows),
+        layer_intermediate=tuple(cfg.intermediate_size * (2 if wide and m == "reuse" else 1)
+                                 for m in modes),
+        norm_weight_float32=True,
+        v_norm=True,
+        per_layer_input=int(cfg.hidden_size_per_layer_input or 0),
+        per_layer_vocab=int(cfg.vocab_size_per_layer_input or 0),
+        layer_scalar=True,
+    )
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "olmo3",
-                         "exaone4", "cohere2", "gpt_oss")
+                         "exaone4", "cohere2", "gpt_oss", "gemma4_text")

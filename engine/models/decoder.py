@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
-from engine.models.layers import MLP, Attention, Rotary, make_norm
+from engine.models.layers import ACTIVATIONS, MLP, Attention, Rotary, make_norm
 from engine.models.moe import MoE
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -26,7 +27,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, group)
-        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg, layer)
         self.placement = cfg.norm_placement
         names = {"pre": ["input_layernorm", "post_attention_layernorm"],
                  "sandwich": ["input_layernorm", "post_attention_layernorm",
@@ -37,6 +38,16 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"norm_placement {self.placement!r}")
         for name in names[self.placement]:  # transformers' names, as the checkpoints have
             setattr(self, name, make_norm(cfg, cfg.hidden_size))
+        self.per_layer_input = cfg.per_layer_input
+        if self.per_layer_input:  # Gemma 4: a gated residual from the layer's own embedding
+            self.act = ACTIVATIONS[cfg.hidden_act]
+            self.per_layer_input_gate = nn.Linear(cfg.hidden_size, cfg.per_layer_input,
+                                                  bias=False)
+            self.per_layer_projection = nn.Linear(cfg.per_layer_input, cfg.hidden_size,
+                                                  bias=False)
+            self.post_per_layer_input_norm = make_norm(cfg, cfg.hidden_size)
+        # Gemma 4: the layer's output times a learned scalar
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
 
     def forward(
         self,
@@ -44,17 +55,37 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, ...] | None,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = self._blocks(x, cos_sin, batch, kv_cache, shared)
+        if per_layer_input is not None:
+            gate = self.act(self.per_layer_input_gate(out)) * per_layer_input
+            out = out + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        if self.layer_scalar is not None:
+            out = out * self.layer_scalar
+        return out
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...] | None,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
         if self.placement == "post":  # each sublayer's output normed before the residual add
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, batch, kv_cache))
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, batch, kv_cache,
+                                                                 shared))
             out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
             return out
         if self.placement == "parallel":  # attention and MLP both read one norm of x
             normed = self.input_layernorm(x)
-            attn = self.self_attn(normed, cos_sin, batch, kv_cache)
+            attn = self.self_attn(normed, cos_sin, batch, kv_cache, shared)
             both: torch.Tensor = x + attn + self.mlp(normed)
             return both
-        h: torch.Tensor = self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache)
+        h: torch.Tensor = self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache,
+                                         shared)
         if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -72,6 +103,24 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, i, g) for i, g in enumerate(layer_groups)
         )
         self.norm = make_norm(cfg, cfg.hidden_size)
+        if cfg.per_layer_input:  # Gemma 4's per-layer inputs: one packed table for all
+            size = cfg.num_layers * cfg.per_layer_input
+            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab, size)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, size, bias=False)
+            self.per_layer_projection_norm = make_norm(cfg, cfg.per_layer_input)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor,
+                         cfg: ModelConfig) -> torch.Tensor:
+        """Gemma 4: per layer, the token's own embedding for it plus a normed projection of
+        the scaled input embedding ``x``, over sqrt(2): [tokens, layers, size]."""
+        shape = (x.shape[0], cfg.num_layers, cfg.per_layer_input)
+        table = self.embed_tokens_per_layer.weight
+        own = F.embedding(input_ids, table) * torch.tensor(cfg.per_layer_input**0.5,
+                                                           dtype=table.dtype)
+        projected = self.per_layer_model_projection(x) * cfg.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        both: torch.Tensor = (projected + own.reshape(shape)) * 2.0**-0.5
+        return both
 
 
 class CausalLM(nn.Module):
@@ -90,10 +139,16 @@ class CausalLM(nn.Module):
         self.tie_weights()
         # One rotary table per distinct RoPE config (Gemma-3: local and global).
         # (a NoPE layer, rope None, takes no table)
-        self._ropes = sorted({r for r in cfg.layer_ropes if r is not None},
-                             key=cfg.layer_ropes.index)
-        self._rotaries = [Rotary(r, cfg.head_dim, cfg.rotary_interleaved) for r in self._ropes]
-        self._layer_rope = [None if r is None else self._ropes.index(r) for r in cfg.layer_ropes]
+        # (and head size: Gemma 4's full layers have their own)
+        keys = [None if r is None else (r, cfg.head_dim_of(i))
+                for i, r in enumerate(cfg.layer_ropes)]
+        self._ropes = list(dict.fromkeys(k for k in keys if k is not None))
+        self._rotaries = [Rotary(r, d, cfg.rotary_interleaved) for r, d in self._ropes]
+        self._layer_rope = [None if k is None else self._ropes.index(k) for k in keys]
+        # layers whose K/V a later layer attends to (Gemma 4's KV sharing)
+        self._deferred = sorted({cfg.kv_source_of(i) for i in range(cfg.num_layers)
+                                 if cfg.kv_source_of(i) != i})
+        self._kv_shared = bool(self._deferred)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head where the checkpoint ties them."""
@@ -108,9 +163,19 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         tables = [rot.cos_sin(batch.positions, batch.max_position, x.dtype)
                   for rot in self._rotaries]
+        per_layer = (self.model.per_layer_inputs(input_ids, x, self.config)
+                     if self.config.per_layer_input else None)
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = (
+            {} if self._kv_shared else None)
         for i, layer in enumerate(self.model.layers):
             rope = self._layer_rope[i]
-            x = layer(x, None if rope is None else tables[rope], batch, kv_caches[i])
+            x = layer(x, None if rope is None else tables[rope], batch, kv_caches[i], shared,
+                      None if per_layer is None else per_layer[:, i])
+        for i in self._deferred:  # K/V later layers attended to, written after them
+            assert shared is not None
+            attention = self.model.layers[i].self_attn
+            assert isinstance(attention, Attention)
+            attention.write(*shared[i], batch, kv_caches[i])
         out: torch.Tensor = self.model.norm(x)
         return out
 
@@ -140,6 +205,8 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            # a multimodal checkpoint's language model (Gemma 4); its towers are skipped
+            name = name.replace("model.language_model.", "model.", 1)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied to the embedding, which is loaded under its own name
             if name not in params:

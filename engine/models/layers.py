@@ -31,10 +31,12 @@ class RMSNorm(nn.Module):
     everything else runs transformers' op sequence.
     """
 
-    def __init__(self, dim: int, eps: float, *, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, *, plus_one: bool = False,
+                 weight_float32: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.plus_one = plus_one
+        self.weight_float32 = weight_float32  # Gemma 4: ``w`` in float32, then the cast
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.float32_kernel = False  # float32 in the compiled pass too (see cpu_norm.supports)
         self._scale: tuple[int, torch.Tensor] | None = None
@@ -54,7 +56,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
             return (h * (1.0 + self.weight.float())).type_as(x)
+        if self.weight_float32:
+            return (h * self.weight.float()).type_as(x)
         return self.weight * h.to(x.dtype)
+
+
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, in float32 (Gemma 4's value norm)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class LayerNorm(nn.Module):
@@ -78,7 +88,8 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     ``cfg.layer_norm``, Cohere's LayerNorm."""
     if cfg.layer_norm:
         return LayerNorm(dim, cfg.rms_norm_eps)
-    return RMSNorm(dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+    return RMSNorm(dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                   weight_float32=cfg.norm_weight_float32)
 
 
 class Rotary:
@@ -89,12 +100,17 @@ class Rotary:
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, interleaved: bool = False) -> None:
-        self.rot_dim = int(head_dim * rope.partial_factor)
+        self.rot_dim = head_dim if rope.proportional else int(head_dim * rope.partial_factor)
         self.interleaved = interleaved  # each frequency twice in a row (Cohere), not halves
         # NOTE: on the CPU explicitly: models are built under the meta device.
         exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.int64, device="cpu").float()
         exponents = exponents / self.rot_dim
-        if rope.yarn_original:
+        if rope.proportional:  # the first pairs rotate, the others keep frequency 0
+            angles = int(rope.partial_factor * head_dim // 2)
+            inv = 1.0 / (rope.theta ** exponents[:angles])
+            rest = torch.zeros(head_dim // 2 - angles, device="cpu")
+            self.inv_freq = torch.cat((inv, rest)) / rope.factor
+        elif rope.yarn_original:
             self.inv_freq = yarn_inv_freq(rope, self.rot_dim, rope.theta**exponents)
         else:
             self.inv_freq = 1.0 / (rope.theta**exponents) / rope.factor
@@ -167,13 +183,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 class MLP(nn.Module):
     """Gated MLP ``down(act(gate(x)) * up(x))``; phi3 keeps gate and up fused."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         if cfg.hidden_act not in ACTIVATIONS:
             raise UnsupportedConfigError(f"activation {cfg.hidden_act!r} is not implemented")
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.fused = cfg.fused_qkv
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        h, i, bias = cfg.hidden_size, cfg.intermediate_of(layer), cfg.mlp_bias
         if self.fused:
             self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         else:
@@ -191,25 +207,43 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention over the ring: attend to cache + fresh K/V first, write K/V after."""
+    """Self-attention over the ring: attend to cache + fresh K/V first, write K/V after.
+
+    A layer keeps K/V of its own (``kv_mode`` "own"; "k_is_v" where the values are the
+    keys' projection before their norm and rotary, Gemma 4's full layers) or attends to the
+    K/V another layer wrote this step ("shared": Gemma 4's last layers), which it gets
+    through ``shared`` and neither computes nor writes.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads, self.head_dim = cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
         self.group = group
         self.window = cfg.layer_windows[layer]
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
+        self.kv_source = cfg.kv_source_of(layer)
+        self.kv_mode = ("shared" if self.kv_source != layer else
+                        "k_is_v" if cfg.k_is_v(layer) else "own")
+        # K/V a later layer attends to are written after it has (`CausalLM.forward`): a
+        # ring may not hold a chunk's new tokens beside the window its first query reads
+        self.defer_write = any(cfg.kv_source_of(j) == layer
+                               for j in range(layer + 1, cfg.num_layers))
+        self.eps = cfg.rms_norm_eps
+        self.v_norm = cfg.v_norm
         h = cfg.hidden_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.proj_names = {"own": ["q_proj", "k_proj", "v_proj"], "k_is_v": ["q_proj", "k_proj"],
+                           "shared": ["q_proj"]}[self.kv_mode]  # fmt: skip
+        self.proj_sizes = [q_size, kv_size, kv_size][: len(self.proj_names)]
         self.fused = cfg.fused_qkv
         if self.fused:
             self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         else:
-            self.q_proj = nn.Linear(h, q_size, bias=cfg.qkv_bias)
-            self.k_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
-            self.v_proj = nn.Linear(h, kv_size, bias=cfg.qkv_bias)
+            for name, size in zip(self.proj_names, self.proj_sizes, strict=True):
+                setattr(self, name, nn.Linear(h, size, bias=cfg.qkv_bias))
         self.o_proj = nn.Linear(q_size, h, bias=cfg.o_bias)
         self.float32_kernel = False  # float32 norm + rotary compiled too (cpu_norm.supports)
         # gpt-oss: a learned logit per head that joins the softmax's denominator
@@ -218,8 +252,29 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
         if self.qk_norm or self.qk_norm_full:  # per head, or over the whole projection
             q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm else (q_size, kv_size)
-            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
-            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                                  weight_float32=cfg.norm_weight_float32)
+            if self.kv_mode != "shared":
+                self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                                      weight_float32=cfg.norm_weight_float32)
+
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fused:
+            return list(self.qkv_proj(x).split(self.proj_sizes, dim=-1))
+        return [getattr(self, name)(x) for name in self.proj_names]
+
+    def _rotate(self, x: torch.Tensor, norm: RMSNorm | None,
+                cos_sin: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        """(Per-head norm and) rotary of q or k [tokens, heads, head_dim]."""
+        if cos_sin is None:  # NoPE: the per-head norm alone
+            return x if norm is None else norm(x)
+        cos, sin = cos_sin
+        if not self.interleaved and cpu_norm.supports(x, self.float32_kernel):  # one pass
+            eps = 0.0 if norm is None else norm.eps
+            return cpu_norm.norm_rope(x, None if norm is None else norm.scale(), cos, sin, eps)
+        if norm is not None:
+            x = norm(x)
+        return apply_rotary(x, cos, sin, self.interleaved)
 
     def forward(
         self,
@@ -227,48 +282,50 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, ...] | None,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """``cos_sin`` None: a layer without rotary embedding (NoPE)."""
+        """``cos_sin`` None: a layer without rotary embedding (NoPE). ``shared``: the
+        step's K/V by layer, for the layers that attend to another's."""
         tokens = x.shape[0]
-        if self.fused:
-            q_size = self.num_heads * self.head_dim
-            kv_size = self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        parts = self._project(x)
+        q = parts[0]
         if self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if cos_sin is None:  # NoPE: the per-head norms alone
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-        elif not self.interleaved and cpu_norm.supports(q, self.float32_kernel):  # one pass
-            cos, sin = cos_sin  # (q/k norm +) rotary
-            eps = self.q_norm.eps if self.qk_norm else 0.0
-            q = cpu_norm.norm_rope(q, self.q_norm.scale() if self.qk_norm else None, cos, sin,
-                                   eps)
-            k = cpu_norm.norm_rope(k, self.k_norm.scale() if self.qk_norm else None, cos, sin,
-                                   eps)
-        else:
-            cos, sin = cos_sin
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rotary(q, cos, sin, self.interleaved)
-            k = apply_rotary(k, cos, sin, self.interleaved)
-        tables = batch.groups[self.group]
+            q = self.q_norm(q)
+        q = self._rotate(q.view(tokens, self.num_heads, self.head_dim),
+                         self.q_norm if self.qk_norm else None, cos_sin)
         key_cache, value_cache = kv_cache
-        if batch.early_writes is not None:
-            first = batch.early_writes
-            kernels.write_kv(k[first], v[first], key_cache, value_cache,
-                             tables.slot_mapping[first])
+        tables = batch.groups[self.group]
+        if self.kv_mode == "shared":
+            assert shared is not None, "a layer that shares K/V needs the step's"
+            k, v = shared[self.kv_source]
+        else:
+            k = parts[1]
+            v = k if self.kv_mode == "k_is_v" else parts[2]
+            if self.qk_norm_full:
+                k = self.k_norm(k)
+            v = v.view(tokens, self.num_kv_heads, self.head_dim)
+            if self.v_norm:
+                v = rms_unit(v, self.eps)
+            k = self._rotate(k.view(tokens, self.num_kv_heads, self.head_dim),
+                             self.k_norm if self.qk_norm else None, cos_sin)
+            if shared is not None:
+                shared[self.layer] = (k, v)
+            if batch.early_writes is not None:
+                first = batch.early_writes
+                kernels.write_kv(k[first], v[first], key_cache, value_cache,
+                                 tables.slot_mapping[first])
         out = kernels.paged_attention(
             q, k, v, key_cache, value_cache, tables.block_tables, batch.query_start_loc,
             batch.context_lens, scale=self.scale, sliding_window=self.window,
             ring_blocks=tables.ring_blocks, softcap=self.softcap,
             sinks=None if self.sinks is None else self.sinks.float(),
         )
-        kernels.write_kv(k, v, key_cache, value_cache, tables.slot_mapping)
+        if self.kv_mode != "shared" and not self.defer_write:
+            self.write(k, v, batch, kv_cache)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         return result
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+              kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The step's K/V into this layer's cache, once every layer reading it has read."""
+        kernels.write_kv(k, v, kv_cache[0], kv_cache[1], batch.groups[self.group].slot_mapping)

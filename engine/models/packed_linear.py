@@ -155,13 +155,13 @@ def fuse_projections(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Attention) and not module.fused:
-            names, target = ["q_proj", "k_proj", "v_proj"], "qkv_proj"
+            names, target = module.proj_names, "qkv_proj"  # q, k(, v)
         elif isinstance(module, MLP) and not module.fused:
             names, target = ["gate_proj", "up_proj"], "gate_up_proj"
         else:
             continue
         parts = [getattr(module, name) for name in names]
-        if any(type(part) is not nn.Linear for part in parts):
+        if len(parts) < 2 or any(type(part) is not nn.Linear for part in parts):
             continue  # some already quantized (engine.models.quant_linear fuses those)
         setattr(module, target, _concat(parts))
         for name in names:

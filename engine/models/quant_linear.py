@@ -164,14 +164,14 @@ def fuse_quantized(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Attention) and not module.fused:
-            names = ["q_proj", "k_proj", "v_proj"]
+            names = module.proj_names  # q, k, v; q, k where the values are the keys
             target = "qkv_proj"
         elif isinstance(module, MLP) and not module.fused:
             names, target = ["gate_proj", "up_proj"], "gate_up_proj"
         else:
             continue
         parts = [getattr(module, name) for name in names]
-        if not all(isinstance(p, QuantLinear) for p in parts):
+        if len(parts) < 2 or not all(isinstance(p, QuantLinear) for p in parts):
             continue
         fused = _concat_linears(parts)
         if fused is None:

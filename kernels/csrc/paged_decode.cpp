@@ -161,7 +161,9 @@ inline void softmax(float* sc, int64_t len, float softcap, float sink) {
 }
 
 struct Args {
-  int64_t kv_heads, group, d, block_size, window, ring, table_width;
+  // block_stride: elements from one block of a cache to the next (a view of one layer of
+  // a slab row per block holding several layers: engine/kv_cache.py)
+  int64_t kv_heads, group, d, block_size, block_stride, window, ring, table_width;
   float scale, softcap;
   const float* sinks;  // [num_heads] or null
 };
@@ -188,10 +190,10 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
     for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = to_f(q[i]) * a.scale;
   }
   const int32_t* table = tables + s * a.table_width;
-  auto slot_of = [&](int64_t p) -> int64_t {
+  auto offset_of = [&](int64_t p) -> int64_t {  // of position p's row in a cache
     int64_t logical = p / a.block_size;
     int64_t column = a.ring > 0 ? logical % a.ring : logical;
-    return static_cast<int64_t>(table[column]) * a.block_size + p % a.block_size;
+    return static_cast<int64_t>(table[column]) * a.block_stride + (p % a.block_size) * row;
   };
   // The fresh K and V rows in the cache's type.
   fresh.resize(static_cast<size_t>(2 * d));
@@ -203,7 +205,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   }
   // Pass 1: scores. Column c is position lo + c; the last column is the fresh key.
   for (int64_t c = 0; c < len; ++c) {
-    const C* k = c + 1 < len ? key_cache + slot_of(lo + c) * row + h * d : fresh.data();
+    const C* k = c + 1 < len ? key_cache + offset_of(lo + c) + h * d : fresh.data();
     score_row(qbuf.data(), k, g, d, &scores[c], len);
   }
   for (int64_t j = 0; j < g; ++j)
@@ -211,7 +213,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
             a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
   // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
   for (int64_t c = 0; c < len; ++c) {
-    const C* v = c + 1 < len ? value_cache + slot_of(lo + c) * row + h * d : fresh.data() + d;
+    const C* v = c + 1 < len ? value_cache + offset_of(lo + c) + h * d : fresh.data() + d;
     value_row(acc.data(), &scores[c], len, v, g, d);
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -255,9 +257,15 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
                   double scale, int64_t window, int64_t ring, double softcap,
                   const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   block_tables.is_contiguous() && out.is_contiguous(),
               "paged_decode: tensors must be contiguous");
+  // Each block's rows contiguous; blocks any whole number of rows apart, equal for K and V.
+  const int64_t cache_row = key_cache.size(2) * key_cache.size(3);
+  for (const at::Tensor* c : {&key_cache, &value_cache})
+    TORCH_CHECK(c->dim() == 4 && c->stride(3) == 1 && c->stride(2) == c->size(3) &&
+                    c->stride(1) == cache_row && c->stride(0) >= c->size(1) * cache_row &&
+                    c->stride(0) == key_cache.stride(0) && c->sizes() == key_cache.sizes(),
+                "paged_decode: each cache block's rows must be contiguous, K and V alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_decode: block_tables must be int32");
   TORCH_CHECK(seq_ids.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong,
@@ -267,6 +275,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
   a.d = key_cache.size(3);
   a.group = query.size(1) / a.kv_heads;
   a.block_size = key_cache.size(1);
+  a.block_stride = key_cache.stride(0);
   a.window = window;
   a.ring = ring;
   a.table_width = block_tables.size(1);
