@@ -82,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help='vLLM\'s, as JSON: \'{"method": "ngram", '
                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, '
                        '"prompt_lookup_min": 2}\' (default: off)')
-    serve.add_argument("--tool-call-parser", choices=["hermes", "none"],
+    serve.add_argument("--tool-call-parser", choices=["hermes", "openai", "none"],
                        default=base.get("tool_call_parser") or "none",
-                       help="how tool_choice \"auto\" reads calls from the output; none: "
-                       f"refuse \"auto\" (default: {base.get('tool_call_parser')})")
+                       help="how tool_choice \"auto\" reads calls from the output: hermes "
+                       "tags, or openai (gpt-oss's harmony messages, also read by default "
+                       "for a model whose chat template writes them); none: refuse \"auto\" "
+                       f"(default: {base.get('tool_call_parser')})")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser

@@ -332,6 +332,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a harmony model's analysis channel (vLLM's name)
 
 
 class ChatChoice(BaseModel):

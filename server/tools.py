@@ -31,7 +31,7 @@ from server.protocol import (
     Tool,
 )
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "openai")  # openai: server/harmony.py
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.sequence import TokenLogprob
 from server.errors import APIError, error_body, to_api_error
+from server.harmony import HarmonyStream, is_harmony, parse_harmony
 from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -98,7 +99,11 @@ async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) 
     constraint = None if choice in ("none", "auto") else tool_constraint(req, choice)
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=logprobs, constraint=constraint)
-    if choice == "auto":  # a tool-call tag may be a special token: keep it in the text
+    # gpt-oss answers in harmony messages, read out of the text with its special tokens;
+    # a required or named choice generates the constrained JSON instead
+    harmony = choice in ("none", "auto") and (
+        state.args.tool_call_parser == "openai" or is_harmony(tokenizer))
+    if choice == "auto" or harmony:  # a tool-call tag may be a special token: keep it
         params = dataclasses.replace(params, skip_special_tokens=False)
     rid = request_id("chatcmpl")
     requests = await prepare_requests(
@@ -108,13 +113,22 @@ async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) 
     tools = None if choice == "none" else choice
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(llm, requests, rid, model, include_usage, tools),
+        return StreamingResponse(_stream(llm, requests, rid, model, include_usage, tools,
+                                         harmony=harmony),
                                  media_type="text/event-stream")
-    return await cancel_on_disconnect(http, _complete(llm, requests, rid, model, tools))
+    return await cancel_on_disconnect(http, _complete(llm, requests, rid, model, tools,
+                                                      harmony=harmony))
 
 
-def _message(text: str, finish: str | None, tools: str | NamedToolChoice | None
-             ) -> tuple[ChatResponseMessage, str | None]:
+def _message(text: str, finish: str | None, tools: str | NamedToolChoice | None,
+             harmony: bool = False) -> tuple[ChatResponseMessage, str | None]:
+    if harmony:
+        out = parse_harmony(text, tools=tools == "auto")
+        return ChatResponseMessage(
+            content=out.content or (None if out.calls else ""),
+            tool_calls=[ToolCall.model_validate(c.body()) for c in out.calls] or None,
+            reasoning_content=out.reasoning or None,
+        ), "tool_calls" if out.calls and finish == "stop" else finish
     if tools is None:
         return ChatResponseMessage(content=text), finish
     content, calls, finish = ChoiceCalls(tools).whole(text, finish)
@@ -125,7 +139,8 @@ def _message(text: str, finish: str | None, tools: str | NamedToolChoice | None
 
 
 async def _complete(llm: Any, requests: list[Any], rid: str, model: str,
-                    tools: str | NamedToolChoice | None = None) -> ChatCompletionResponse:
+                    tools: str | NamedToolChoice | None = None, *,
+                    harmony: bool = False) -> ChatCompletionResponse:
     texts: dict[int, str] = {}
     lps: dict[int, list[TokenLogprob]] = {}
     finish: dict[int, str | None] = {}
@@ -142,7 +157,7 @@ async def _complete(llm: Any, requests: list[Any], rid: str, model: str,
     tok = llm.engine.tokenizer
     choices = []
     for k in sorted(texts):
-        message, reason = _message(texts[k], finish[k], tools)
+        message, reason = _message(texts[k], finish[k], tools, harmony)
         choices.append(ChatChoice(index=k, message=message,
                                   finish_reason=reason,  # type: ignore[arg-type]
                                   logprobs=_logprobs(tok, lps[k]) if want else None))
@@ -164,13 +179,15 @@ def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
 
 
 async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
-                  include_usage: bool, tools: str | NamedToolChoice | None = None
-                  ) -> AsyncIterator[str]:
+                  include_usage: bool, tools: str | NamedToolChoice | None = None, *,
+                  harmony: bool = False) -> AsyncIterator[str]:
     created = now()
     want = requests[0].params.logprobs is not None
     tok = llm.engine.tokenizer
     started: set[int] = set()
     calls: dict[int, ChoiceCalls] = {}
+    readers: dict[int, HarmonyStream] = {}
+    sent: dict[int, int] = {}  # harmony calls streamed per choice
     usage = (0, 0)
     try:
         async for _, delta in merged(llm, requests):
@@ -183,7 +200,21 @@ async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
                         "logprobs": None, "finish_reason": None}])
                 text, reason = s.text, s.finish_reason
                 body: dict[str, Any] = {}
-                if tools is not None:
+                if harmony:
+                    harmony_reader = readers.setdefault(s.index,
+                                                        HarmonyStream(tools=tools == "auto"))
+                    out = harmony_reader.feed(text, reason is not None)
+                    text = out.content
+                    if out.reasoning:
+                        body["reasoning_content"] = out.reasoning
+                    if out.calls:
+                        first = sent.get(s.index, 0)
+                        body["tool_calls"] = [c.body(first + i) for i, c in
+                                              enumerate(out.calls)]
+                        sent[s.index] = first + len(out.calls)
+                    if reason == "stop" and sent.get(s.index):
+                        reason = "tool_calls"
+                elif tools is not None:
                     reader = calls.setdefault(s.index, ChoiceCalls(tools))
                     text, tool_deltas = reader.feed(text, reason is not None)
                     reason = reader.finish_reason(reason)
