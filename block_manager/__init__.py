@@ -14,7 +14,7 @@ from block_manager.budget import (
 )
 from block_manager.manager import KVCacheError, KVCacheManager, KVStats, RequestTooLargeError
 from block_manager.pool import BlockPool, BlockPoolError
-from block_manager.ring import blocks_for_tokens, ring_length, table_index
+from block_manager.ring import blocks_for_tokens, ring_length, ring_slack, table_index
 from block_manager.table import SKIP_SLOT, BlockTable
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "parse_size",
     "plan_num_blocks",
     "ring_length",
+    "ring_slack",
     "sequences_that_fit",
     "slab_layers",
     "table_index",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
 from block_manager.pool import BlockPool
 from block_manager.prefix import Hit, PrefixIndex, extend_chain
-from block_manager.ring import overwrites_between, recycles_between
+from block_manager.ring import overwrites_between, recycles_between, ring_slack
 from block_manager.table import SKIP_SLOT, BlockTable
 
 
@@ -104,10 +104,11 @@ class KVCacheManager:
         self._windows = [g.window for g in spec.groups]
         self.debug = debug
         self.caching = enable_prefix_caching
-        if enable_prefix_caching and spec.ring_slack < spec.block_size - 1:
+        caching_slack = ring_slack(spec.block_size, enable_prefix_caching)
+        if spec.ring_slack < caching_slack:
             raise ValueError("prefix caching needs rings with a block of slack "
-                             f"(ring_slack >= {spec.block_size - 1}); see block_manager.ring")
-        slack = (spec.block_size - 1 if enable_prefix_caching else 0) + speculative_tokens
+                             f"(ring_slack >= {caching_slack}); see block_manager.ring")
+        slack = ring_slack(spec.block_size, enable_prefix_caching, speculative_tokens)
         if spec.ring_slack < slack:
             raise ValueError(f"{speculative_tokens} speculative tokens need rings with "
                              f"{speculative_tokens} tokens of slack beyond prefix caching's "
@@ -141,22 +142,30 @@ class KVCacheManager:
                 f"{self.pool.num_blocks}; it can never be admitted"
             )
 
+    def prompt_chain(self, prompt_ids: list[int]) -> list[bytes] | None:
+        """The prompt's block names, computed once for a waiting sequence and handed to
+        `waits_for_prefix`, `can_admit` and `admit` (None without prefix caching)."""
+        return self.prefix.chain(prompt_ids) if self.caching else None
+
     def can_admit(self, prompt_len: int, max_tokens: int,
-                  prompt_ids: list[int] | None = None, *, reuse: bool = True) -> bool:
+                  prompt_ids: list[int] | None = None, *, reuse: bool = True,
+                  chain: list[bytes] | None = None) -> bool:
         """True if the request's reservation fits beside every admitted one right now
-        (``reuse`` as in `admit`)."""
-        hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1)[1] \
+        (``reuse`` as in `admit`; ``chain``: `prompt_chain`'s answer, if known)."""
+        hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1, chain)[1] \
             if self.caching and prompt_ids else None
         return self._fits(self.reservation(prompt_len, max_tokens), hit)
 
-    def waits_for_prefix(self, prompt_ids: list[int]) -> bool:
+    def waits_for_prefix(self, prompt_ids: list[int],
+                         chain: list[bytes] | None = None) -> bool:
         """True if a running sequence is computing the prompt's next block after its
         current hit: admitting it after that step reuses the block instead of recomputing
         it (requests that arrive together with one long prefix compute it once)."""
-        return self.caching and self.prefix.next_is_promised(prompt_ids)
+        return self.caching and self.prefix.next_is_promised(prompt_ids, chain)
 
     def admit(self, seq_id: Hashable, prompt_len: int, max_tokens: int,
-              prompt_ids: list[int] | None = None, *, reuse: bool = True) -> int:
+              prompt_ids: list[int] | None = None, *, reuse: bool = True,
+              chain: list[bytes] | None = None) -> int:
         """Reserve a sequence's blocks; its tables start empty (or at its cached prefix) and
         fill lazily.
 
@@ -180,7 +189,7 @@ class KVCacheManager:
             raise KVCacheError("prefix caching needs the prompt's token ids")
         need = self.reservation(prompt_len, max_tokens)
         # NOTE: a hit stays under the prompt length passed (see find_hit): 1 finds none
-        chain, hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1) \
+        chain, hit = self.prefix.find(prompt_ids, prompt_len if reuse else 1, chain) \
             if prompt_ids and self.caching else ([], None)
         if not self._fits(need, hit):
             raise KVCacheError(f"sequence {seq_id!r} does not fit now; check can_admit first")

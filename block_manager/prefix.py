@@ -115,18 +115,25 @@ class PrefixIndex:
         self._promised: dict[bytes, int] = {}
         self._pending: list[tuple[int, tuple[int, bytes]]] = []
 
-    def find(self, prompt_ids: list[int], prompt_len: int) -> tuple[list[bytes], Hit]:
-        """The prompt's block names and its usable hit."""
+    def chain(self, prompt_ids: list[int]) -> list[bytes]:
+        """The names of the prompt's full blocks (a sequence computes them once: `find`
+        and `next_is_promised` take them back)."""
         chain: list[bytes] = []
         extend_chain(chain, prompt_ids, self.spec.block_size)
+        return chain
+
+    def find(self, prompt_ids: list[int], prompt_len: int,
+             chain: list[bytes] | None = None) -> tuple[list[bytes], Hit]:
+        """The prompt's block names (a copy of ``chain`` when given) and its usable hit."""
+        chain = self.chain(prompt_ids) if chain is None else list(chain)
         return chain, find_hit(self.spec, chain, prompt_len,
                                lambda g, name: self.pool.lookup((g, name)))
 
-    def next_is_promised(self, prompt_ids: list[int]) -> bool:
+    def next_is_promised(self, prompt_ids: list[int], chain: list[bytes] | None = None) -> bool:
         """True if an admitted sequence is computing the block after the prompt's hit."""
         if not self._promised:
             return False
-        chain, hit = self.find(prompt_ids, len(prompt_ids))
+        chain, hit = self.find(prompt_ids, len(prompt_ids), chain)
         m = hit.num_blocks
         return m < (len(prompt_ids) - 1) // self.spec.block_size and chain[m] in self._promised
 

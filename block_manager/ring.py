@@ -41,6 +41,14 @@ for every query from ``L`` on, so the slacks add up, ``b - 1 + k``::
 from __future__ import annotations
 
 
+def ring_slack(block_size: int, prefix_caching: bool, speculative_tokens: int = 0) -> int:
+    """Tokens a ring holds beyond its window (see the module's note): ``b - 1`` with prefix
+    caching, plus ``k`` with ``k`` speculative tokens."""
+    if speculative_tokens < 0:
+        raise ValueError(f"speculative tokens must be >= 0, got {speculative_tokens}")
+    return (block_size - 1 if prefix_caching else 0) + speculative_tokens
+
+
 def ring_length(window: int | None, block_size: int, slack: int = 0) -> int | None:
     """Blocks in a ring for ``window`` tokens: ``ceil((window + slack) / block_size)``, None
     for full attention (see the module's note on slack)."""

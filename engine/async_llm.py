@@ -12,8 +12,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -104,6 +105,12 @@ class AsyncLLM:
         self.dead: BaseException | None = None
         self.accepting = True
         self._aborting = False  # abort_all() ran: what arrives later is aborted on arrival
+        # Stats as the loop thread last published them (`stats`): other threads never read
+        # the engine's live dicts, which the loop changes as they would be read.
+        self._snapshot: Mapping[str, Any] = MappingProxyType(engine.stats())
+        self._rejected_early = 0  # requests refused by `prepare`, in the callers' thread
+        self._inbox_seqs = 0  # sequences queued but not yet taken in by the loop
+        self._inbox_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ringserve-engine", daemon=True)
@@ -132,11 +139,30 @@ class AsyncLLM:
         try:
             request = self.engine.make_request(request_id, prompt, params)
         except InvalidRequestError:
-            self.engine.counters["requests_rejected"] += 1
+            self._rejected_early += 1  # NOTE: not the engine's counters: the loop owns them
             raise
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} sequences)")
+        self.check_room([request])
         return request
+
+    def check_room(self, requests: list[Request]) -> None:
+        """Refuse requests whose sequences (``n`` each) would take the waiting queue past
+        ``max_waiting`` sequences (one HTTP request may bring many prompts).
+
+        Raises:
+            InvalidRequestError: more sequences than may ever wait, naming ``n``.
+            QueueFullError: not now.
+        """
+        if self.max_waiting is None:
+            return
+        new = sum(len(r.seqs) for r in requests)
+        if new > self.max_waiting:
+            self._rejected_early += 1
+            raise InvalidRequestError(
+                f"this request brings {new} sequences (prompts x n); at most "
+                f"{self.max_waiting} may wait (--max-waiting)", param="n")
+        if self.num_waiting + new > self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.num_waiting} of "
+                                 f"{self.max_waiting} sequences; this request brings {new})")
 
     async def stream(self, request: Request) -> AsyncIterator[StreamDelta]:
         """Queue a prepared request and yield its deltas until it finishes.
@@ -148,6 +174,8 @@ class AsyncLLM:
         request_id = request.request_id
         stream: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        with self._inbox_lock:
+            self._inbox_seqs += len(request.seqs)
         self._inbox.put(("add", request))
         self._wake.set()
         finished = False
@@ -184,6 +212,18 @@ class AsyncLLM:
         self._inbox.put(("abort_all", None))
         self._wake.set()
 
+    def stats(self) -> Mapping[str, Any]:
+        """The engine's counters and gauges as of its last step (`LLMEngine.stats`), one
+        consistent snapshot: safe from any thread."""
+        snap = self._snapshot
+        if not self._rejected_early:
+            return snap
+        return MappingProxyType({**snap, "requests_rejected":
+                                 snap["requests_rejected"] + self._rejected_early})
+
+    def _publish_stats(self) -> None:
+        self._snapshot = MappingProxyType(self.engine.stats())
+
     @property
     def num_running(self) -> int:
         """Requests the engine holds (waiting or running) plus those not yet taken in."""
@@ -191,19 +231,30 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+        """Sequences waiting for admission, those not yet taken in included."""
+        return len(self.engine.scheduler.waiting) + self._inbox_seqs
 
     # -- the loop thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.engine.owner_thread = threading.get_ident()
+        try:
+            self._steps()
+        finally:
+            self.engine.owner_thread = None
+
+    def _steps(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox()
+                if self._drain_inbox():
+                    self._publish_stats()
                 if not self.engine.has_unfinished:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for request in self.engine.step():
+                finished = self.engine.step()
+                self._publish_stats()  # before the deltas: a stream's end sees its blocks back
+                for request in finished:
                     self._publish(request)
         except BaseException as err:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
@@ -213,15 +264,21 @@ class AsyncLLM:
         self._drain_inbox()
         for request_id in list(self.engine.requests):
             self._publish_abort(request_id)
+        self._publish_stats()
         self._fail_all(EngineDeadError("the engine shut down"))
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Take in what callers queued; whether there was anything."""
+        took = False
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return took
+            took = True
             if kind == "add":
+                with self._inbox_lock:
+                    self._inbox_seqs -= len(payload.seqs)
                 try:
                     self.engine.add(payload)
                 except InvalidRequestError as err:
@@ -239,6 +296,7 @@ class AsyncLLM:
     def _publish_abort(self, request_id: str) -> None:
         request = self.engine.abort_request(request_id)
         if request is not None:
+            self._publish_stats()  # its blocks are back before its stream ends
             self._publish(request)
 
     def _publish(self, request: Request) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from block_manager import KVCacheSpec, group_layers
+from block_manager import KVCacheSpec, group_layers, ring_slack
 from engine.models import KVCaches, ModelConfig
 
 
@@ -19,7 +19,7 @@ def kv_cache_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     own = [i for i in range(cfg.num_layers) if cfg.kv_source_of(i) == i]
     return KVCacheSpec(
         block_size=block_size,
-        ring_slack=(block_size - 1 if prefix_caching else 0) + speculative_tokens,
+        ring_slack=ring_slack(block_size, prefix_caching, speculative_tokens),
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         groups=group_layers([cfg.layer_windows[i] for i in own],
                             num_kv_heads=[cfg.kv_heads_of(i) for i in own],

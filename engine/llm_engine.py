@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import Counter
 from typing import Any
+
+import torch
 
 from block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
 from engine import spec_decode
@@ -51,6 +54,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.owner_thread: int | None = None  # the thread an AsyncLLM loop steps it on
         self.device = pick_device(config.device)
         if self.device.type == "cpu":
             try:
@@ -188,7 +192,13 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests it changed."""
+        """Run one scheduled step; returns the requests it changed.
+
+        Faults stay small: an error while sampling or emitting one sequence's token (its
+        logits processing, grammar, stop strings, detokenization) aborts that request with
+        the error and no other (`_sample_apart`); only an error in the model's forward,
+        which no one request owns, aborts the step's requests.
+        """
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
@@ -196,37 +206,71 @@ class LLMEngine:
         touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
         try:
             logits, prompt_logprobs = self.runner.execute(scheduled)
-            sampling, rows, runs = [], [], {}
-            row = 0
-            for item in (i for i in scheduled if i.samples):
-                if item.draft:  # a speculative decode: its rows are verified, not sampled
-                    runs[id(item)] = self.sampler.verify(
-                        logits[row : row + 1 + len(item.draft)], item.seq, item.draft)
-                    row += 1 + len(item.draft)
-                else:
-                    sampling.append(item)
-                    rows.append(row)
-                    row += 1
-            tokens, logprobs = self.sampler(logits if not runs else logits[rows],
-                                            [i.seq for i in sampling])
         except Exception as err:  # surface it to the requests of this step, keep serving
             logger.exception("step failed; aborting its %d requests", len(touched))
             for request in set(touched.values()):
-                request.error = err
-                self.abort_request(request.request_id)
+                self._fail(request, err)
             return list({id(r): r for r in touched.values()}.values())
+        rows: dict[int, tuple[int, int]] = {}  # id(item) -> its logits rows
+        row = 0
+        for item in (i for i in scheduled if i.samples):
+            rows[id(item)] = (row, row + 1 + len(item.draft))
+            row += 1 + len(item.draft)
+        samplers = [i for i in scheduled if i.samples]
+        saved = self.sampler.save_state([i.seq for i in samplers])
+        try:
+            picked = self._sample(samplers, logits, rows)
+        except Exception as err:
+            logger.warning("sampling failed (%r); sampling each sequence apart", err)
+            self.sampler.restore_state(saved)
+            picked = self._sample_apart(samplers, logits, rows)
         if self.speculative is not None:
             self.scheduler.step_cost.observe(sum(i.num_new for i in scheduled),
                                              sum(bool(i.draft) for i in scheduled),
                                              time.perf_counter() - started)
-        self._update(scheduled, sampling, tokens, logprobs, prompt_logprobs)
-        for item in scheduled:
-            if item.draft:
-                self._update_run(item, *runs[id(item)])
+        live = [i for i in scheduled if not i.seq.status.is_finished]
+        self._update(live, picked, prompt_logprobs)
         return list({id(r): r for r in touched.values()}.values())
 
-    def _update(self, scheduled: list[ScheduledSeq], sampling: list[ScheduledSeq],
-                tokens: list[int], logprobs: list[Any],
+    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor,
+                rows: dict[int, tuple[int, int]]) -> dict[int, tuple[list[int], list[Any]]]:
+        """Per item (id), its tokens and logprob records: one for a plain row, a run for a
+        speculative decode (its drafts verified)."""
+        out: dict[int, tuple[list[int], list[Any]]] = {}
+        plain = [i for i in items if not i.draft]
+        for item in (i for i in items if i.draft):
+            lo, hi = rows[id(item)]
+            out[id(item)] = self.sampler.verify(logits[lo:hi], item.seq, item.draft)
+        if plain:
+            at = [rows[id(i)][0] for i in plain]
+            block = logits if len(at) == len(logits) else logits[at]
+            tokens, logprobs = self.sampler(block, [i.seq for i in plain])
+            for item, token, lp in zip(plain, tokens, logprobs, strict=True):
+                out[id(item)] = ([token], [lp])
+        return out
+
+    def _sample_apart(self, items: list[ScheduledSeq], logits: torch.Tensor,
+                      rows: dict[int, tuple[int, int]]
+                      ) -> dict[int, tuple[list[int], list[Any]]]:
+        """`_sample` one sequence at a time; a sequence that fails aborts its request."""
+        out: dict[int, tuple[list[int], list[Any]]] = {}
+        for item in items:
+            if item.seq.status.is_finished:  # a sibling of a failed one (n > 1)
+                continue
+            try:
+                out.update(self._sample([item], logits, rows))
+            except Exception as err:
+                self._fail(self.requests[item.seq.request_id], err)
+        return out
+
+    def _fail(self, request: Request, err: Exception) -> None:
+        if request.error is None:
+            logger.warning("request %s failed: %r", request.request_id, err)
+            request.error = err
+        self.abort_request(request.request_id)
+
+    def _update(self, scheduled: list[ScheduledSeq],
+                picked: dict[int, tuple[list[int], list[Any]]],
                 prompt_logprobs: dict[int, list[PromptLogprob]]) -> None:
         for item in scheduled:
             item.seq.prompt_logprobs += prompt_logprobs.get(item.seq.seq_id, ())
@@ -234,8 +278,17 @@ class LLMEngine:
                 self.counters["prompt_tokens"] += min(
                     item.num_new, item.seq.num_prompt_tokens - item.seq.num_computed)
             item.seq.num_computed += item.num_new - len(item.draft)
-        for item, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            self._emit(item.seq, token, lp)
+        for item in scheduled:
+            if id(item) not in picked or item.seq.status.is_finished:
+                continue
+            tokens, logprobs = picked[id(item)]
+            try:  # stop strings, detokenization, the grammar: this sequence's alone
+                if item.draft:
+                    self._update_run(item, tokens, logprobs)
+                else:
+                    self._emit(item.seq, tokens[0], logprobs[0])
+            except Exception as err:
+                self._fail(self.requests[item.seq.request_id], err)
 
     def _update_run(self, item: ScheduledSeq, tokens: list[int],
                     logprobs: list[Any]) -> None:
@@ -343,7 +396,16 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges behind `/metrics` (DESIGN.md §7)."""
+        """Counters and gauges behind `/metrics` (DESIGN.md §7), read live: call it on the
+        thread that steps the engine (`AsyncLLM` publishes them as snapshots for others).
+
+        Raises:
+            RuntimeError: called off the thread an `AsyncLLM` loop steps it on.
+        """
+        owner = self.owner_thread
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError("LLMEngine.stats() read off the engine thread: read "
+                               "AsyncLLM.stats(), the snapshot the loop publishes")
         kv = self.kv.stats()
         total = kv.blocks_total
         out: dict[str, Any] = {
@@ -374,6 +436,11 @@ class LLMEngine:
                 self.counters["spec_decode_num_accepted_tokens"],
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
+        spec = self.kv.spec
+        out["kv_block_size"] = spec.block_size
+        out["kv_group_ring_blocks"] = {name: spec.ring_blocks(members[0])
+                                       for name, members in spec.names().items()
+                                       if spec.ring_blocks(members[0]) is not None}
         out["kv_group_blocks_used"] = dict(zip(kv.group_names, kv.blocks_used_per_group,
                                                strict=True))
         out["kv_group_blocks_reserved"] = dict(zip(kv.group_names, kv.blocks_reserved_per_group,

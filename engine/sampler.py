@@ -31,6 +31,20 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
+    def save_state(self, seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
+        """The seeded sequences' generator states, to sample a step again as if the first
+        try never ran (`LLMEngine.step` after a fault): None where none exists yet."""
+        return {s.seq_id: (None if (g := self._generators.get(s.seq_id)) is None
+                           else g.get_state())
+                for s in seqs if s.params.seed is not None}
+
+    def restore_state(self, saved: dict[int, torch.Tensor | None]) -> None:
+        for seq_id, state in saved.items():
+            if state is None:
+                self._generators.pop(seq_id, None)
+            elif seq_id in self._generators:
+                self._generators[seq_id].set_state(state)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[
         list[int], list[TokenLogprob | None]
     ]:

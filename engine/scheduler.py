@@ -87,14 +87,18 @@ class Scheduler:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             # prompt logprobs need the logits of every prompt position: no cached prefix
             reuse = seq.prompt_logprobs_k is None
+            if seq.prompt_chain is None:  # its blocks' names: hashed once, not every step
+                seq.prompt_chain = self.kv.prompt_chain(prompt)
+            chain = seq.prompt_chain
             # FCFS: the head waits for room, or for a running sequence to finish computing
             # the prefix it shares (then it reuses it); later ones do not jump it.
-            if (reuse and self.kv.waits_for_prefix(prompt)) or not self.kv.can_admit(
-                    seq.num_prompt_tokens, seq.max_tokens, prompt, reuse=reuse):
+            if (reuse and self.kv.waits_for_prefix(prompt, chain)) or not self.kv.can_admit(
+                    seq.num_prompt_tokens, seq.max_tokens, prompt, reuse=reuse, chain=chain):
                 break
             self.waiting.popleft()
             seq.num_computed = self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens,
-                                             prompt, reuse=reuse)
+                                             prompt, reuse=reuse, chain=chain)
+            seq.prompt_chain = None  # the manager keeps its own copy from here
             seq.num_cached_tokens = seq.num_computed
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled_time = time.monotonic()

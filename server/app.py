@@ -37,9 +37,9 @@ def _start_engine(state: ServerState) -> None:
     try:
         engine = LLMEngine(EngineConfig(**state.args.engine_kwargs()))
         state.model_name = state.args.served_model_name or engine.model_name
-        state.metrics = Metrics(state.model_name, engine.stats, kv=engine.kv)
-        llm = AsyncLLM(engine, max_waiting=state.args.max_waiting,
-                       on_delta=state.metrics.on_delta)
+        llm = AsyncLLM(engine, max_waiting=state.args.max_waiting)
+        state.metrics = Metrics(state.model_name, llm.stats)
+        llm.on_delta = state.metrics.on_delta
         llm.start()
         state.llm = llm
         if state.phase is Phase.STARTING:  # not when a SIGTERM came during the load

@@ -1,7 +1,9 @@
 """Prometheus metrics (DESIGN.md §7), prefix ``ringserve:``, label ``model_name``.
 
-Gauges and counters are read from the engine's own counters at scrape time (a collector),
-so they can never drift from what the engine did; histograms are observed as requests end.
+Gauges and counters are the engine's own, as the engine thread last published them (one
+snapshot a step, `AsyncLLM.stats`), read at scrape time (a collector): they never drift from
+what the engine did and one scrape never mixes two moments; histograms are observed as
+requests end.
 Every layer group takes its blocks from one pool (``kv_blocks_total``). Per window (label
 ``group``, e.g. ``sliding_512`` and ``full`` for Gemma 3) the block gauges split the used and
 reserved totals and ``kv_group_ring_blocks`` states each ring's length ``R``: a sliding
@@ -16,7 +18,7 @@ dashboard shows a flat 0 rather than "no data" before the first event.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -99,33 +101,28 @@ class _EngineCollector(Collector):
         for pos, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
             c.add_metric([*label, str(pos)], float(count))
         yield c
-        yield from self._groups(label)
+        yield from self._groups(label, stats)
 
-    def _groups(self, label: list[str]) -> Iterator[GaugeMetricFamily]:
-        kv = self.metrics.kv
-        if kv is None:
+    def _groups(self, label: list[str], stats: Mapping[str, Any]) -> Iterator[GaugeMetricFamily]:
+        if "kv_group_blocks_used" not in stats:
             return
-        spec, kv_stats = kv.spec, kv.stats()
-        for name, (field, doc) in GROUP_GAUGES.items():
+        for name, (_field, doc) in GROUP_GAUGES.items():
             g = _gauge(name, doc, ["group"])
-            for group, value in zip(kv_stats.group_names, getattr(kv_stats, field),
-                                    strict=True):
+            for group, value in stats[name].items():
                 g.add_metric([*label, group], float(value))
             yield g
         ring = _gauge("kv_group_ring_blocks", "Ring length R = ceil((window + slack) / "
                       "block_size): the most blocks a sequence holds in a sliding group.",
                       ["group"])
-        for group, members in spec.names().items():
-            r = spec.ring_blocks(members[0])
-            if r is not None:
-                ring.add_metric([*label, group], float(r))
+        for group, r in stats["kv_group_ring_blocks"].items():
+            ring.add_metric([*label, group], float(r))
         yield ring
         fits = _gauge("max_concurrent_sequences", CAPACITY_DOC, ["tokens"])
-        for tokens, count in kv.capacity().by_tokens.items():
+        for tokens, count in stats["max_concurrent_sequences_by_tokens"].items():
             fits.add_metric([*label, str(tokens)], float(count))
         yield fits
         size = _gauge("kv_block_size", "Tokens per KV block.", [])
-        size.add_metric(label, float(spec.block_size))
+        size.add_metric(label, float(stats["kv_block_size"]))
         yield size
 
 
@@ -134,15 +131,14 @@ class Metrics:
 
     Args:
         model_name: the served model name (label ``model_name`` of every series).
-        stats: returns the engine's counters and gauges (`LLMEngine.stats`).
-        kv: the engine's `KVCacheManager`, for the per-layer-group series (optional).
+        stats: returns the engine's counters and gauges as one snapshot (`AsyncLLM.stats`:
+            one scrape never mixes two moments, and never reads what the engine thread is
+            changing).
     """
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]],
-                 kv: Any = None) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any]]) -> None:
         self.model_name = model_name
         self.stats = stats
-        self.kv = kv
         self.registry = CollectorRegistry()
         self._last_token: dict[str, float] = {}
         self.registry.register(_EngineCollector(self))

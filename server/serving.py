@@ -76,8 +76,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
 
 def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
                 base_id: str) -> list[Request]:
-    """Check every prompt before any is queued, so a bad one leaves nothing running."""
-    return [llm.prepare(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+    """Check every prompt before any is queued, so a bad one leaves nothing running, and
+    the room the request's sequences take in the waiting queue, all of them together."""
+    requests = [llm.prepare(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+    llm.check_room(requests)
+    return requests
 
 
 async def prepare_requests(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,

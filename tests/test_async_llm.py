@@ -73,13 +73,13 @@ def test_a_consumer_that_leaves_aborts_its_request(front: AsyncLLM, engine: LLME
                 break
         await stream.aclose()  # what a disconnecting HTTP client does
         for _ in range(200):
-            if engine.stats()["kv_blocks_used"] == 0:
+            if front.stats()["kv_blocks_used"] == 0:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("blocks were not returned")
 
     asyncio.run(main())
-    assert engine.stats()["request_success_abort"] >= 1
+    assert front.stats()["request_success_abort"] >= 1
 
 
 def test_an_engine_error_fails_its_requests_and_the_loop_goes_on(
