@@ -1,9 +1,12 @@
 """Ring KV block management, in pure Python (no torch): one pool, block tables, budget."""
 
 from block_manager.budget import (
+    Admission,
+    AdmissionState,
     Capacity,
     KVCacheSpec,
     LayerGroup,
+    admission,
     capacity,
     group_layers,
     layers_per_group,
@@ -19,6 +22,8 @@ from block_manager.table import SKIP_SLOT, BlockTable
 
 __all__ = [
     "SKIP_SLOT",
+    "Admission",
+    "AdmissionState",
     "BlockPool",
     "BlockPoolError",
     "BlockTable",
@@ -29,6 +34,7 @@ __all__ = [
     "KVStats",
     "LayerGroup",
     "RequestTooLargeError",
+    "admission",
     "blocks_for_tokens",
     "capacity",
     "group_layers",

@@ -307,3 +307,95 @@ def parse_size(text: str | int) -> int:
     if m is None:
         raise ValueError(f"not a memory size: {text!r} (examples: '1GiB', '512MiB', '2G')")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionState:
+    """What admission depends on, as of one moment (published in the engine's snapshot).
+
+    Args:
+        num_blocks: blocks in the pool.
+        committed: blocks promised to admitted sequences (in use plus what they may still
+            take; `KVCacheManager` counts it).
+        waiting: the reservation (blocks, all groups) of each waiting sequence, queue order.
+        running: sequences admitted.
+        max_running: the most the scheduler runs at once (``max_num_seqs``).
+        reserved_per_group, used_per_group: by window name, for the answer's detail.
+    """
+
+    num_blocks: int
+    committed: int
+    waiting: tuple[int, ...]
+    running: int
+    max_running: int
+    reserved_per_group: dict[str, int]
+    used_per_group: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """The answer for requests of one shape (prompt + max_tokens tokens), no prefix hit.
+
+    ``admit_now``: one sent now is admitted as soon as the scheduler next looks (nothing
+    waits before it, a running slot is free, its blocks fit). ``fit_now``: how many such
+    requests would be admitted beside what runs, after what waits (first come, first
+    served). ``fit_empty``: how many an idle server holds at once. A prefix hit only lowers
+    a request's need, so with one these are lower bounds.
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    admit_now: bool
+    fit_now: int
+    fit_empty: int
+    blocks_per_request: dict[str, int]
+    blocks_free: int
+    waiting: int
+    running: int
+
+    def body(self, state: AdmissionState) -> dict[str, object]:
+        """The JSON answer of ``GET /v1/admission``."""
+        return {
+            "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens,
+            "admit_now": self.admit_now, "fit_now": self.fit_now, "fit_empty": self.fit_empty,
+            "blocks_free": self.blocks_free, "blocks_total": state.num_blocks,
+            "sequences_running": self.running, "sequences_waiting": self.waiting,
+            "max_num_seqs": state.max_running,
+            "groups": [{"group": name, "blocks_per_request": need,
+                        "blocks_reserved": state.reserved_per_group.get(name, 0),
+                        "blocks_used": state.used_per_group.get(name, 0)}
+                       for name, need in self.blocks_per_request.items()],
+        }
+
+
+def admission(spec: KVCacheSpec, state: AdmissionState, prompt_tokens: int,
+              max_tokens: int) -> Admission:
+    """How requests of ``prompt_tokens + max_tokens`` tokens would be admitted now.
+
+    The scheduler admits the head of the queue while a running slot is free and the
+    head's reservation fits beside everything admitted (``committed``); admitting it
+    commits exactly its reservation (no blocks are used yet), so the count is a division.
+    """
+    if prompt_tokens < 1 or max_tokens < 1:
+        raise ValueError("prompt_tokens and max_tokens must be >= 1")
+    per_group = spec.blocks_needed(prompt_tokens + max_tokens)
+    need = sum(per_group)
+    free = state.num_blocks - state.committed
+    slots = state.max_running - state.running
+    blocked = False
+    for wait in state.waiting:  # first come, first served: they go first
+        if slots < 1 or wait > free:
+            blocked = True
+            break
+        free -= wait
+        slots -= 1
+    fit_now = 0 if blocked else max(0, min(free // need, slots))
+    by_name: dict[str, int] = {}
+    for g, n in zip(spec.groups, per_group, strict=True):
+        by_name[g.name] = by_name.get(g.name, 0) + n
+    return Admission(
+        prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+        admit_now=not state.waiting and fit_now >= 1, fit_now=fit_now,
+        fit_empty=min(state.num_blocks // need, state.max_running),
+        blocks_per_request=by_name, blocks_free=state.num_blocks - state.committed,
+        waiting=len(state.waiting), running=state.running)

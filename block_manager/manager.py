@@ -3,10 +3,16 @@ against reservations."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from block_manager.budget import Capacity, KVCacheSpec, capacity, sequences_that_fit
+from block_manager.budget import (
+    AdmissionState,
+    Capacity,
+    KVCacheSpec,
+    capacity,
+    sequences_that_fit,
+)
 from block_manager.pool import BlockPool
 from block_manager.prefix import Hit, PrefixIndex, extend_chain
 from block_manager.ring import overwrites_between, recycles_between, ring_slack
@@ -437,6 +443,25 @@ class KVCacheManager:
             return self._seqs[seq_id]
         except KeyError:
             raise KVCacheError(f"unknown sequence {seq_id!r}") from None
+
+    @property
+    def committed(self) -> int:
+        """Blocks promised to admitted sequences: in use, plus what they may still take."""
+        return self._committed()
+
+    def admission_state(self, waiting: Sequence[tuple[int, int]], running: int,
+                        max_running: int) -> AdmissionState:
+        """What `budget.admission` answers from, now: ``waiting`` the (prompt, max_tokens)
+        of each waiting sequence in queue order, ``running`` the sequences admitted."""
+        stats = self.stats()
+        return AdmissionState(
+            num_blocks=self.pool.num_blocks, committed=self._committed(),
+            waiting=tuple(sum(self.reservation(p, m)) for p, m in waiting),
+            running=running, max_running=max_running,
+            reserved_per_group=dict(zip(stats.group_names, stats.blocks_reserved_per_group,
+                                        strict=True)),
+            used_per_group=dict(zip(stats.group_names, stats.blocks_used_per_group,
+                                    strict=True)))
 
     def _committed(self) -> int:
         """Blocks the pool has promised: in use, plus what admitted sequences may still take."""

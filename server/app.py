@@ -26,7 +26,7 @@ from server.errors import error_response, install_error_handlers
 from server.metrics import Metrics
 from server.protocol import ErrorResponse
 from server.routes import chat, completions, misc
-from server.state import Phase, ServeArgs, ServerState
+from server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
@@ -38,7 +38,8 @@ def _start_engine(state: ServerState) -> None:
         engine = LLMEngine(EngineConfig(**state.args.engine_kwargs()))
         state.model_name = state.args.served_model_name or engine.model_name
         llm = AsyncLLM(engine, max_waiting=state.args.max_waiting)
-        state.metrics = Metrics(state.model_name, llm.stats)
+        shapes = parse_shapes(state.args.admission_shapes) if state.args.admission_shapes else []
+        state.metrics = Metrics(state.model_name, llm.stats, engine.kv.spec, shapes)
         llm.on_delta = state.metrics.on_delta
         llm.start()
         state.llm = llm

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 import yaml
 
-from server.state import Phase, ServeArgs, ServerState
+from server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 # Seconds after --shutdown-timeout for the aborted requests' last chunks to go out before
@@ -88,9 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "tags, or openai (gpt-oss's harmony messages, also read by default "
                        "for a model whose chat template writes them); none: refuse \"auto\" "
                        f"(default: {base.get('tool_call_parser')})")
+    serve.add_argument("--admission-shapes", type=_shapes,
+                       default=base.get("admission_shapes"),
+                       help="request shapes PROMPT:MAX_TOKENS (comma-separated) whose "
+                       "admission answers /metrics exports as gauges, e.g. 256:256,4096:512 "
+                       f"(default: {base.get('admission_shapes')})")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser
+
+
+def _shapes(text: str | None) -> str | None:
+    """``PROMPT:MAX_TOKENS[,...]``, checked (argparse names the flag when it is not)."""
+    if text is None:
+        return None
+    parse_shapes(text)
+    return text
 
 
 def _serve_args(ns: argparse.Namespace) -> ServeArgs:

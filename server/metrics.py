@@ -18,13 +18,14 @@ dashboard shows a flat 0 rather than "no data" before the first event.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from block_manager import KVCacheSpec, admission
 from engine.async_llm import StreamDelta
 
 P = "ringserve:"
@@ -63,6 +64,11 @@ GROUP_GAUGES = {  # per window's layer groups: (KVStats field, help)
 }
 CAPACITY_DOC = ("Sequences of `tokens` tokens (prompt + max_tokens) the KV pool holds at once "
                 "(capacity).")
+ADMISSION_DOCS = (
+    "Requests of this shape (no prefix hit) admitted now beside what runs and waits "
+    "(--admission-shapes; GET /v1/admission answers any shape).",
+    "Requests of this shape an idle server holds at once.",
+    "1 if a request of this shape sent now is admitted at once (nothing waits, it fits).")
 FINISH_REASONS = ("stop", "length", "abort")
 # The statuses the server answers with (server/app.py ERRORS), counted from 0.
 ERROR_STATUSES = ("400", "401", "404", "413", "429", "500", "503")
@@ -102,6 +108,22 @@ class _EngineCollector(Collector):
             c.add_metric([*label, str(pos)], float(count))
         yield c
         yield from self._groups(label, stats)
+        yield from self._admission(label, stats)
+
+    def _admission(self, label: list[str], stats: Mapping[str, Any]) -> Iterator[Any]:
+        metrics = self.metrics
+        state = stats.get("admission_state")
+        if metrics.spec is None or state is None or not metrics.admission_shapes:
+            return
+        answers = [admission(metrics.spec, state, p, m) for p, m in metrics.admission_shapes]
+        columns = {"admission_fit_now": [float(a.fit_now) for a in answers],
+                   "admission_fit_empty": [float(a.fit_empty) for a in answers],
+                   "admission_admit_now": [float(a.admit_now) for a in answers]}
+        for (name, values), doc in zip(columns.items(), ADMISSION_DOCS, strict=True):
+            g = _gauge(name, doc, ["prompt_tokens", "max_tokens"])
+            for a, value in zip(answers, values, strict=True):
+                g.add_metric([*label, str(a.prompt_tokens), str(a.max_tokens)], value)
+            yield g
 
     def _groups(self, label: list[str], stats: Mapping[str, Any]) -> Iterator[GaugeMetricFamily]:
         if "kv_group_blocks_used" not in stats:
@@ -136,9 +158,13 @@ class Metrics:
             changing).
     """
 
-    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any]],
+                 spec: KVCacheSpec | None = None,
+                 admission_shapes: Sequence[tuple[int, int]] = ()) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.spec = spec  # with admission_shapes: the admission gauges per shape
+        self.admission_shapes = list(admission_shapes)
         self.registry = CollectorRegistry()
         self._last_token: dict[str, float] = {}
         self.registry.register(_EngineCollector(self))

@@ -45,6 +45,7 @@ class ServeArgs:
     speculative_config: str | None = None
     debug_kv: bool = False
     cache_dir: str | None = None
+    admission_shapes: str | None = None  # "256:256,4096:512": admission gauges per shape
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
@@ -80,3 +81,18 @@ class ServerState:
                            code="server_not_ready",
                            headers={"Retry-After": retry} if retry else None)
         return self.llm
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"256:256,4096:512"`` -> [(256, 256), (4096, 512)].
+
+    Raises:
+        ValueError: not that form, or a number below 1.
+    """
+    shapes = []
+    for part in text.split(","):
+        prompt, sep, out = part.strip().partition(":")
+        if not sep or not prompt.isdigit() or not out.isdigit() or min(int(prompt), int(out)) < 1:
+            raise ValueError(f"admission shape {part!r} is not PROMPT:MAX_TOKENS (both >= 1)")
+        shapes.append((int(prompt), int(out)))
+    return shapes

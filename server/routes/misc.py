@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /version; POST /tokenize, /detokenize."""
+"""GET /v1/models, /health, /version, /v1/admission; POST /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from block_manager import admission
 from server.errors import APIError
 from server.protocol import (
     DetokenizeRequest,
@@ -78,3 +79,24 @@ async def detokenize(req: DetokenizeRequest, http: HTTPRequest) -> DetokenizeRes
         raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
     text: Any = llm.engine.tokenizer.decode(req.tokens)
     return DetokenizeResponse(prompt=str(text))
+
+
+@router.get("/v1/admission")
+async def admission_answer(http: HTTPRequest, prompt_tokens: int | None = None,
+                           max_tokens: int | None = None) -> dict[str, Any]:
+    """Would a request of this shape be admitted now, how many fit now and in an empty
+    pool: exact, since admission is (`block_manager.budget.admission`), for a request with
+    no prefix hit. Read from the engine's last published snapshot."""
+    state = http.app.state.server
+    llm = state.ready_llm()
+    for name, value in (("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens)):
+        if value is None or value < 1:
+            raise APIError(400, f"{name} must be an integer >= 1", param=name)
+    assert prompt_tokens is not None and max_tokens is not None
+    limit = llm.engine.max_model_len
+    if prompt_tokens + max_tokens > limit:
+        raise APIError(400, f"prompt_tokens + max_tokens = {prompt_tokens + max_tokens} "
+                       f"exceeds max_model_len {limit}", param="max_tokens")
+    snapshot = llm.stats()["admission_state"]
+    answer = admission(llm.engine.kv.spec, snapshot, prompt_tokens, max_tokens)
+    return answer.body(snapshot)
