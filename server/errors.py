@@ -73,7 +73,9 @@ def to_api_error(err: BaseException) -> APIError:
 
 def _validation_param(errors: list[Any]) -> tuple[str, str | None]:
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query"):  # a field of the body, or a query parameter
+        loc = loc[1:]
     param = ".".join(loc) if loc else None
     if first.get("type") == "extra_forbidden":
         return f"unsupported parameter: {param}", param

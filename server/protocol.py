@@ -191,6 +191,9 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = None
     refusal: str | None = Field(None, max_length=0)  # sent back by clients, always empty
     annotations: list[Any] | None = Field(None, max_length=0)
+    # an assistant's reasoning as we answered it (a harmony model's analysis channel),
+    # sent back by clients with the message; a template may show it as "thinking"
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:

@@ -166,6 +166,8 @@ def render_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool] | Non
                     for c in m.tool_calls]
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content:  # gpt-oss's template reads an assistant's "thinking"
+                d["thinking"] = m.reasoning_content
             out.append(d)
         return out, [t.model_dump(exclude_none=True) for t in tools] if tools else None
     out = []

@@ -425,7 +425,7 @@ def send(client: httpx.Client, method: str, path: str, content: bytes | None = N
 # -- the routes ----------------------------------------------------------------------------
 
 GET_ROUTES = ["/v1/models", "/health", "/version", "/metrics", "/openapi.json", "/docs",
-              "/docs/oauth2-redirect", "/redoc"]
+              "/docs/oauth2-redirect", "/redoc", "/v1/admission"]
 POST_ROUTES = sorted(POST_FIELDS)
 FUZZED = {("GET", p) for p in GET_ROUTES} | {("POST", p) for p in POST_ROUTES}
 
@@ -604,6 +604,27 @@ def test_other_methods_and_queries_never_answer_5xx(client: httpx.Client,
     params = data.draw(st.dictionaries(odd_query, odd_query, max_size=3), label="query")
     body = data.draw(st.one_of(st.none(), st.binary(max_size=50)), label="body")
     send(client, method, path, body, None, params)
+
+
+admission_value = st.one_of(
+    st.integers(-2**70, 2**70), st.integers(-3, 600), odd_query,
+    st.sampled_from(["1e3", "0x10", "\uff11\uff12", " 5", "5.0", "", "nan"]))
+
+
+@settings(FUZZ, max_examples=150)
+@given(prompt=admission_value, out=admission_value, drop=st.integers(0, 2))
+def test_admission_queries_never_answer_5xx(client: httpx.Client, prompt: Any, out: Any,
+                                            drop: int) -> None:
+    params = {"prompt_tokens": str(prompt), "max_tokens": str(out)}
+    if drop:
+        params.pop("prompt_tokens" if drop == 1 else "max_tokens")
+    r = client.get("/v1/admission", params=params)
+    assert r.status_code in (200, 400), (params, r.status_code, r.text[:300])
+    if r.status_code == 200:
+        body = r.json()
+        assert body["fit_now"] <= body["fit_empty"] and isinstance(body["admit_now"], bool)
+    else:
+        assert r.json()["error"]["param"] in ("prompt_tokens", "max_tokens")
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
