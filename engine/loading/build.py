@@ -17,6 +17,7 @@ from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_co
 from engine.loading.mxfp4 import merge_mxfp4
 from engine.loading.quantize import quantize_model
 from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
+from engine.models.moe import split_experts
 from engine.models.packed_linear import (
     CompactLinear,
     can_compact,
@@ -65,6 +66,7 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(merge_mxfp4(iter_weights(path)))  # MXFP4 experts widened once
+    split_experts(model)  # each expert's projections: linears, packed or quantized below
     # NOTE: float weights are fused before they are quantized; GGUF blocks arrive one
     # tensor at a time and are fused by `quantize_model` where their block types agree.
     if quantization in ("int8", "int4"):

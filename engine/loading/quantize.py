@@ -34,6 +34,7 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
 from engine.models.layers import Attention, RMSNorm
+from engine.models.moe import MoE
 from engine.models.packed_linear import PackedLinear
 from engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
 from kernels import cpu_build, cpu_isa, cpu_quant
@@ -229,12 +230,21 @@ class WeightBytes:
 
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Bytes of every parameter and buffer (shared ones once), and those a decode step reads:
-    all but an embedding table that is only looked up, and one of a `PackedLinear`'s two
-    copies (the decode path reads the plain one)."""
+    all but the embedding tables that are only looked up (Gemma 4's per-layer one too), one
+    of a `PackedLinear`'s two copies (the decode path reads the plain one), and of a
+    mixture of experts the ``k`` of ``E`` experts a token is routed to."""
     seen: set[int] = set()
     resident = per_token = 0
     embed, tied = _embedding(model)
-    lookup_only = embed.weight if embed is not None and not tied else None
+    lookup_only = {id(embed.weight)} if embed is not None and not tied else set()
+    per_layer = getattr(getattr(model, "model", None), "embed_tokens_per_layer", None)
+    if isinstance(per_layer, nn.Embedding):
+        lookup_only.add(id(per_layer.weight))
+    share: dict[int, float] = {}  # a tensor read by a share of the tokens
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        if moe.linears is not None:
+            for tensor in [*moe.linears.parameters(), *moe.linears.buffers()]:
+                share[id(tensor)] = moe.top_k / moe.num_experts
     for module in model.modules():
         skip = module.packed if isinstance(module, PackedLinear) else None
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
@@ -243,8 +253,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             seen.add(id(tensor))
             size = tensor.numel() * tensor.element_size()
             resident += size
-            if tensor is not lookup_only and tensor is not skip:
-                per_token += size
+            if id(tensor) not in lookup_only and tensor is not skip:
+                per_token += round(size * share.get(id(tensor), 1.0))
     return WeightBytes(resident, per_token)
 
 
