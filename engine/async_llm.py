@@ -50,6 +50,8 @@ class StreamDelta:
     completion_tokens: int
     timings: dict[str, float | None] = field(default_factory=dict)
     blocks_held: list[int] = field(default_factory=list)  # per sequence, once finished
+    max_tokens: int = 0  # the request's max_tokens, resolved (for vLLM's histograms)
+    max_seq_tokens: int = 0  # the most tokens one of its sequences generated, once finished
     # the request's prompt logprobs, in the one delta after they are all computed (it comes
     # no later than the first sequence's first token)
     prompt_logprobs: list[PromptLogprob | None] | None = None
@@ -79,6 +81,8 @@ def _delta(request: Request) -> StreamDelta:
                  "first_token": first.first_token_time, "last_token": first.last_token_time},
         blocks_held=[s.blocks_held for s in request.seqs] if request.finished else [],
         prompt_logprobs=prompt_logprobs,
+        max_tokens=first.max_tokens,
+        max_seq_tokens=max(s.num_output_tokens for s in request.seqs) if request.finished else 0,
     )
 
 

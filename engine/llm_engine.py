@@ -438,6 +438,7 @@ class LLMEngine:
         }
         spec = self.kv.spec
         out["kv_block_size"] = spec.block_size
+        out["enable_prefix_caching"] = self.kv.caching
         out["kv_group_ring_blocks"] = {name: spec.ring_blocks(members[0])
                                        for name, members in spec.names().items()
                                        if spec.ring_blocks(members[0]) is not None}

@@ -39,7 +39,8 @@ def _start_engine(state: ServerState) -> None:
         state.model_name = state.args.served_model_name or engine.model_name
         llm = AsyncLLM(engine, max_waiting=state.args.max_waiting)
         shapes = parse_shapes(state.args.admission_shapes) if state.args.admission_shapes else []
-        state.metrics = Metrics(state.model_name, llm.stats, engine.kv.spec, shapes)
+        state.metrics = Metrics(state.model_name, llm.stats, engine.kv.spec, shapes,
+                                compat=state.args.metrics_compat)
         llm.on_delta = state.metrics.on_delta
         llm.start()
         state.llm = llm

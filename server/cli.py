@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="request shapes PROMPT:MAX_TOKENS (comma-separated) whose "
                        "admission answers /metrics exports as gauges, e.g. 256:256,4096:512 "
                        f"(default: {base.get('admission_shapes')})")
+    serve.add_argument("--metrics-compat", choices=["vllm", "none"],
+                       default=base.get("metrics_compat") or "none",
+                       help="also export /metrics under another server's names: vllm "
+                       "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ... for "
+                       "gateways and dashboards built for vLLM; docs/metrics.md)")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser
@@ -111,6 +116,8 @@ def _serve_args(ns: argparse.Namespace) -> ServeArgs:
     kwargs = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if kwargs.get("tool_call_parser") == "none":
         kwargs["tool_call_parser"] = None
+    if kwargs.get("metrics_compat") == "none":
+        kwargs["metrics_compat"] = None
     return ServeArgs(**kwargs)
 
 

@@ -81,6 +81,45 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(P + name, doc, labels=["model_name", *labels])
 
 
+# -- vLLM's names (``--metrics-compat vllm``) ------------------------------------------------
+
+V = "vllm:"
+VLLM_LABELS = ["model_name", "engine"]  # vLLM's v1 engine labels each series with its index
+VLLM_GAUGES = {  # vLLM name: (our stats key, help)
+    "num_requests_running": ("num_requests_running",
+                             "Sequences running (vLLM counts requests; n > 1 counts n here)."),
+    "num_requests_waiting": ("num_requests_waiting", "Sequences waiting for admission."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc",
+                            "Fraction of KV blocks in use (0-1); ringserve admits against "
+                            "reservations (ringserve:kv_blocks_reserved), not this."),
+}
+VLLM_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens computed (cached ones not counted)."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "num_preemptions": ("num_preemptions", "Preemptions (always 0: admission is exact)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache."),
+}
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+VLLM_HISTOGRAMS = {  # name: (help, buckets)
+    "time_to_first_token_seconds": ("Arrival to first token.", LATENCY_BUCKETS),
+    "inter_token_latency_seconds": ("Time between tokens of a stream.", LATENCY_BUCKETS),
+    "time_per_output_token_seconds": ("A request's mean time per token after its first.",
+                                      LATENCY_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to last token.", LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to admission.", LATENCY_BUCKETS),
+    "request_prefill_time_seconds": ("Admission to first token.", LATENCY_BUCKETS),
+    "request_decode_time_seconds": ("First token to last.", LATENCY_BUCKETS),
+    "request_inference_time_seconds": ("Admission to last token.", LATENCY_BUCKETS),
+    "request_prompt_tokens": ("Prompt tokens of a finished request.", TOKEN_BUCKETS),
+    "request_generation_tokens": ("Tokens a finished request generated (all its sequences).",
+                                  TOKEN_BUCKETS),
+    "request_max_num_generation_tokens": ("The most tokens one sequence of a request "
+                                          "generated.", TOKEN_BUCKETS),
+    "request_params_max_tokens": ("A request's max_tokens.", TOKEN_BUCKETS),
+}
+
+
 class _EngineCollector(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -109,6 +148,31 @@ class _EngineCollector(Collector):
         yield c
         yield from self._groups(label, stats)
         yield from self._admission(label, stats)
+        if self.metrics.compat == "vllm":
+            yield from self._vllm(stats)
+
+    def _vllm(self, stats: Mapping[str, Any]) -> Iterator[Any]:
+        label = [self.metrics.model_name, "0"]
+        for name, (key, doc) in VLLM_GAUGES.items():
+            g = GaugeMetricFamily(V + name, doc, labels=VLLM_LABELS)
+            g.add_metric(label, float(stats.get(key, 0)))
+            yield g
+        for name, (key, doc) in VLLM_COUNTERS.items():
+            c = CounterMetricFamily(V + name, doc, labels=VLLM_LABELS)
+            c.add_metric(label, float(stats.get(key, 0)))
+            yield c
+        c = CounterMetricFamily(V + "request_success", "Requests finished, by finish reason.",
+                                labels=[*VLLM_LABELS, "finished_reason"])
+        for reason in FINISH_REASONS:
+            c.add_metric([*label, reason], float(stats.get(f"request_success_{reason}", 0)))
+        yield c
+        info = GaugeMetricFamily(V + "cache_config_info", "The KV cache's configuration.",
+                                 labels=[*VLLM_LABELS, "block_size", "num_gpu_blocks",
+                                         "enable_prefix_caching"])
+        info.add_metric([*label, str(stats.get("kv_block_size", 0)),
+                         str(stats.get("kv_blocks_total", 0)),
+                         str(bool(stats.get("enable_prefix_caching", False)))], 1.0)
+        yield info
 
     def _admission(self, label: list[str], stats: Mapping[str, Any]) -> Iterator[Any]:
         metrics = self.metrics
@@ -160,9 +224,11 @@ class Metrics:
 
     def __init__(self, model_name: str, stats: Callable[[], Mapping[str, Any]],
                  spec: KVCacheSpec | None = None,
-                 admission_shapes: Sequence[tuple[int, int]] = ()) -> None:
+                 admission_shapes: Sequence[tuple[int, int]] = (),
+                 compat: str | None = None) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.compat = compat  # "vllm": vLLM's series too (docs/metrics.md)
         self.spec = spec  # with admission_shapes: the admission gauges per shape
         self.admission_shapes = list(admission_shapes)
         self.registry = CollectorRegistry()
@@ -182,6 +248,12 @@ class Metrics:
         self.blocks = hist("kv_blocks_per_sequence",
                            "KV blocks a sequence held at its end (all layer groups).",
                            BLOCK_BUCKETS)
+        self.vllm: dict[str, Any] = {}
+        if compat == "vllm":
+            for name, (doc, buckets) in VLLM_HISTOGRAMS.items():
+                h = Histogram(V + name, doc, VLLM_LABELS, buckets=buckets,
+                              registry=self.registry)
+                self.vllm[name] = h.labels(model_name, "0")
         self.http_rejected = Counter(P + "http_requests_rejected",
                                      "HTTP requests answered with an error, by status.",
                                      [*labels, "status"], registry=self.registry)
@@ -194,12 +266,17 @@ class Metrics:
         arrival, first, last = t.get("arrival"), t.get("first_token"), t.get("last_token")
         rid = delta.request_id
         new_tokens = any(s.token_ids for s in delta.seqs)
+        v = self.vllm
         if new_tokens and last is not None:
             prev = self._last_token.get(rid)
             if prev is None and arrival is not None and first is not None:
                 self.ttft.labels(m).observe(max(0.0, first - arrival))
+                if v:
+                    v["time_to_first_token_seconds"].observe(max(0.0, first - arrival))
             elif prev is not None and last > prev:
                 self.itl.labels(m).observe(last - prev)
+                if v:
+                    v["inter_token_latency_seconds"].observe(last - prev)
             self._last_token[rid] = last
         if delta.finished:
             self._last_token.pop(rid, None)
@@ -210,6 +287,27 @@ class Metrics:
                 self.e2e.labels(m).observe(max(0.0, last - arrival))
             for blocks in delta.blocks_held:
                 self.blocks.labels(m).observe(blocks)
+            if v:
+                self._vllm_finished(delta, arrival, sched, first, last)
+
+    def _vllm_finished(self, delta: StreamDelta, arrival: float | None, sched: float | None,
+                       first: float | None, last: float | None) -> None:
+        v = self.vllm
+        spans = {"e2e_request_latency_seconds": (arrival, last),
+                 "request_queue_time_seconds": (arrival, sched),
+                 "request_prefill_time_seconds": (sched, first),
+                 "request_decode_time_seconds": (first, last),
+                 "request_inference_time_seconds": (sched, last)}
+        for name, (start, end) in spans.items():
+            if start is not None and end is not None:
+                v[name].observe(max(0.0, end - start))
+        if first is not None and last is not None and delta.max_seq_tokens > 1:
+            v["time_per_output_token_seconds"].observe(
+                max(0.0, last - first) / (delta.max_seq_tokens - 1))
+        v["request_prompt_tokens"].observe(delta.prompt_tokens)
+        v["request_generation_tokens"].observe(delta.completion_tokens)
+        v["request_max_num_generation_tokens"].observe(delta.max_seq_tokens)
+        v["request_params_max_tokens"].observe(delta.max_tokens)
 
     def rejected(self, status: int) -> None:
         self.http_rejected.labels(self.model_name, str(status)).inc()

@@ -46,6 +46,7 @@ class ServeArgs:
     debug_kv: bool = False
     cache_dir: str | None = None
     admission_shapes: str | None = None  # "256:256,4096:512": admission gauges per shape
+    metrics_compat: str | None = None  # "vllm": vLLM's metric names beside ours
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
