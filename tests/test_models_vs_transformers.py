@@ -41,6 +41,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
         "cohere2": (W, W, W, None),
         "gpt_oss": (W, None, W, None),
         "gemma4_text": (W, W, None, W, W, None),
+        "gemma4_moe": (W, None, W, None),
     }[family]
     assert ours.config.layer_windows == expected
 

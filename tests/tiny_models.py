@@ -101,6 +101,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                          "full_attention": {"rope_type": "proportional",
                                             "partial_rotary_factor": 0.5,
                                             "rope_theta": 1e6}})),
+    # Gemma 4 26B-A4B's layout: a top-2-of-4 mixture of experts beside each dense MLP
+    "gemma4_moe": ("Gemma4TextConfig", dict(
+        num_hidden_layers=4, sliding_window=W, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=48,
+        tie_word_embeddings=True, final_logit_softcapping=30.0, initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"])),
     "cohere2": ("Cohere2Config", dict(
         num_hidden_layers=4, sliding_window=W, logit_scale=4.0, tie_word_embeddings=True,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
@@ -141,8 +149,9 @@ def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False,
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random biases and norm weights, so they matter in the check
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+            if "norm" in name or name.endswith("bias") or name.endswith("scale"):
+                p.normal_(1.0 if name.endswith("scale") else 0.0,
+                          0.3 if "norm" in name or name.endswith("scale") else 0.1)
         for name, buf in model.named_buffers():  # Gemma 4's per-layer output scale
             if name.endswith("layer_scalar"):
                 buf.uniform_(0.5, 1.5)

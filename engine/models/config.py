@@ -89,6 +89,8 @@ class ModelConfig:
     per_layer_input: int = 0  # > 0: per-layer input embeddings of this size
     per_layer_vocab: int = 0  # their vocabulary
     layer_scalar: bool = False  # each layer's output times a learned scalar
+    moe_parallel: bool = False  # a mixture of experts beside the dense MLP (Gemma 4 26B-A4B)
+    moe_intermediate_size: int = 0
 
     @property
     def scale(self) -> float:
@@ -213,8 +215,7 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
     if model_type in ("exaone4", "cohere2") and getattr(cfg, "sliding_window", None):
         # these rotate only their sliding layers; the full layers have no position code
         ropes = tuple(r if w else None for r, w in zip(ropes, windows, strict=True))
-    return ModelConfig(
-        **(_gemma4_fields(cfg, windows) if gemma4 else {}),
+    fields: dict[str, Any] = dict(
         model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -244,7 +245,7 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         rotary_interleaved=model_type == "cohere2",
         logit_scale=float(getattr(cfg, "logit_scale", None) or 1.0),
         attn_sinks=model_type == "gpt_oss",
-        num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
+        num_experts=int(getattr(cfg, "num_local_experts", None) or 0),
         experts_per_token=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
         swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
@@ -252,18 +253,20 @@ def model_config_from_hf(cfg: Any) -> ModelConfig:
         qk_norm_full=model_type == "olmo3",
         eos_token_ids=_eos(cfg),
     )
+    if gemma4:  # its per-layer shapes (and mixture of experts) override the generic reading
+        fields.update(_gemma4_fields(cfg, windows))
+    return ModelConfig(**fields)
 
 
 def _gemma4_fields(cfg: Any, windows: tuple[int | None, ...]) -> dict[str, Any]:
     """Gemma 4's per-layer shapes: full layers with their own head size and KV heads (and
     values equal to the keys' projection with ``attention_k_eq_v``), the last
     ``num_kv_shared_layers`` attending to the K/V of the last earlier layer of their kind,
-    those with twice the MLP where ``use_double_wide_mlp``, and per-layer input embeddings.
+    those with twice the MLP where ``use_double_wide_mlp``, per-layer input embeddings, and
+    (``enable_moe_block``: 26B-A4B) a mixture of experts beside each dense MLP.
     """
-    if getattr(cfg, "enable_moe_block", False):
-        raise UnsupportedConfigError("Gemma 4's mixture-of-experts block (enable_moe_block) "
-                                     "is not implemented")
     n = cfg.num_hidden_layers
+    moe = bool(getattr(cfg, "enable_moe_block", False))
     per_layer = [cfg.per_layer_config[i] for i in range(n)]
     modes = cfg.kv_sharing_modes
     sources = list(range(n))
@@ -284,6 +287,10 @@ def _gemma4_fields(cfg: Any, windows: tuple[int | None, ...]) -> dict[str, Any]:
         per_layer_input=int(cfg.hidden_size_per_layer_input or 0),
         per_layer_vocab=int(cfg.vocab_size_per_layer_input or 0),
         layer_scalar=True,
+        moe_parallel=moe,
+        num_experts=int(cfg.num_experts or 0) if moe else 0,
+        experts_per_token=int(cfg.top_k_experts or 0) if moe else 0,
+        moe_intermediate_size=int(cfg.moe_intermediate_size or 0) if moe else 0,
     )
 
 

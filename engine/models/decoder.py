@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -11,7 +12,14 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.models.config import ModelConfig
 from engine.models.layers import ACTIVATIONS, MLP, Attention, Rotary, make_norm
-from engine.models.moe import MoE
+from engine.models.moe import Gemma4MoE, MoE
+
+_LAYER_MOE = re.compile(r"^(model\.layers\.\d+\.)(router|experts)\.")
+
+
+def _moe_name(m: re.Match[str]) -> str:
+    """Gemma 4's layer-level ``router.`` / ``experts.`` under our ``moe`` module."""
+    return f"{m.group(1)}moe.{'gemma_router' if m.group(2) == 'router' else 'experts'}."
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, its group's (key_cache, value_cache): [num_blocks, block_size, kv_heads, dim]."""
@@ -23,11 +31,21 @@ class DecoderLayer(nn.Module):
     post_attention_layernorm: nn.Module
     pre_feedforward_layernorm: nn.Module
     post_feedforward_layernorm: nn.Module
+    post_feedforward_layernorm_1: nn.Module  # Gemma 4's experts beside the MLP
+    pre_feedforward_layernorm_2: nn.Module
+    post_feedforward_layernorm_2: nn.Module
 
     def __init__(self, cfg: ModelConfig, layer: int, group: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, group)
-        self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else MLP(cfg, layer)
+        self.mlp: nn.Module = (MoE(cfg) if cfg.num_experts and not cfg.moe_parallel
+                               else MLP(cfg, layer))
+        # Gemma 4 26B-A4B: experts beside the dense MLP, each branch normed before the sum
+        self.moe = Gemma4MoE(cfg) if cfg.moe_parallel else None
+        if self.moe is not None:
+            for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                         "post_feedforward_layernorm_2"):
+                setattr(self, name, make_norm(cfg, cfg.hidden_size))
         self.placement = cfg.norm_placement
         names = {"pre": ["input_layernorm", "post_attention_layernorm"],
                  "sandwich": ["input_layernorm", "post_attention_layernorm",
@@ -88,8 +106,13 @@ class DecoderLayer(nn.Module):
                                          shared)
         if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            return x + h
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            if self.moe is not None:  # the experts read (and are routed by) x itself
+                experts = self.moe(self.pre_feedforward_layernorm_2(x), route_from=x)
+                h = self.post_feedforward_layernorm_1(h) + \
+                    self.post_feedforward_layernorm_2(experts)
+            summed: torch.Tensor = x + self.post_feedforward_layernorm(h)
+            return summed
         x = x + h
         h = self.mlp(self.post_attention_layernorm(x))
         return x + h
@@ -207,6 +230,8 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             # a multimodal checkpoint's language model (Gemma 4); its towers are skipped
             name = name.replace("model.language_model.", "model.", 1)
+            if self.config.moe_parallel:  # Gemma 4 keeps them on the layer; ours in .moe
+                name = _LAYER_MOE.sub(_moe_name, name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied to the embedding, which is loaded under its own name
             if name not in params:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.layers import ACTIVATIONS
 
 
 class Router(nn.Module):
@@ -28,35 +29,53 @@ class Router(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """The experts' stacked weights, as the checkpoint holds them."""
+    """The experts' stacked weights, as the checkpoint holds them: gpt-oss's [E, in, out]
+    with biases, or (``out_in``: Gemma 4) [E, out, in] without."""
 
-    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, experts: int, hidden: int, intermediate: int, *,
+                 out_in: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * intermediate))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.zeros(experts, intermediate, hidden))
-        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.out_in = out_in
+        gate_up, down = (hidden, 2 * intermediate), (intermediate, hidden)
+        if out_in:
+            gate_up, down = gate_up[::-1], down[::-1]
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, *gate_up))
+        self.down_proj = nn.Parameter(torch.zeros(experts, *down))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if not out_in:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
 
 
 class ExpertLinears(nn.Module):
-    """Each expert's two projections as biased `nn.Linear` s ([out, in]), made once from
-    the stacked weights after loading, so that every path a linear takes serves them:
+    """Each expert's two projections as `nn.Linear` s ([out, in]), made once from the
+    stacked weights after loading, so that every path a linear takes serves them:
     oneDNN-packed or compact bf16 on the CPU, int8/int4 with ``--quantization``."""
 
     def __init__(self, stacked: ExpertWeights) -> None:
         super().__init__()
-        self.gate_up = nn.ModuleList(_linear(stacked.gate_up_proj[e], stacked.gate_up_proj_bias[e])
-                                     for e in range(stacked.gate_up_proj.shape[0]))
-        self.down = nn.ModuleList(_linear(stacked.down_proj[e], stacked.down_proj_bias[e])
-                                  for e in range(stacked.down_proj.shape[0]))
+        experts = range(stacked.gate_up_proj.shape[0])
+
+        def bias(b: nn.Parameter | None, e: int) -> torch.Tensor | None:
+            return None if b is None else b[e]
+
+        self.gate_up = nn.ModuleList(
+            _linear(stacked.gate_up_proj[e], bias(stacked.gate_up_proj_bias, e), stacked.out_in)
+            for e in experts)
+        self.down = nn.ModuleList(
+            _linear(stacked.down_proj[e], bias(stacked.down_proj_bias, e), stacked.out_in)
+            for e in experts)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
-    """A Linear of ``weight`` [in, out] (the checkpoint's layout) and ``bias``."""
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, out_in: bool) -> nn.Linear:
+    """A Linear of ``weight`` ([in, out], or [out, in] with ``out_in``) and ``bias``."""
+    weight = weight.detach() if out_in else weight.detach().t()
     with torch.device("meta"):  # no random init to overwrite
-        linear = nn.Linear(weight.shape[0], weight.shape[1])
-    linear.weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
-    linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     return linear
 
 
@@ -82,17 +101,26 @@ class MoE(nn.Module):
         self.linears = ExpertLinears(self.experts)
         del self.experts
 
-    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
-        """(up + 1) * gate * sigmoid(alpha * gate), gate capped above and up both ways."""
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), gate and up interleaved, gate
+        capped above and up both ways."""
         gate = h[..., 0::2].clamp(max=self.limit)
         up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gpt-oss: the k largest router logits, weighted by their softmax: per token,
+        ([T, k] weights, [T, k] experts)."""
         logits = torch.nn.functional.linear(flat, self.router.weight, self.router.bias)
         top, chosen = logits.topk(self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1).reshape(-1)
+        return torch.softmax(top, dim=-1), chosen
+
+    def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' weighted sum for ``x``, routed by ``route_from`` (default ``x``)."""
+        flat = x.reshape(-1, x.shape[-1])
+        top, chosen = self.route(flat if route_from is None else
+                                 route_from.reshape(-1, route_from.shape[-1]))
+        weights = top.reshape(-1)
         pairs = chosen.reshape(-1)  # pair p is token p // k's choice p % k
         order = torch.argsort(pairs, stable=True)
         counts = torch.bincount(pairs, minlength=self.num_experts).tolist()
@@ -106,9 +134,52 @@ class MoE(nn.Module):
             start += n
             tokens = taken // self.top_k
             h = self.linears.gate_up[expert](flat[tokens])
-            y = self.linears.down[expert](self._swiglu(h))
+            y = self.linears.down[expert](self.activate(h))
             out.index_add_(0, tokens, (y * weights[taken, None]).to(out.dtype))
         return out.view(x.shape)
+
+
+class Gemma4Router(nn.Module):
+    """Gemma 4's router: a weightless RMS norm, times a learned scale and 1/sqrt(hidden),
+    then the logits (transformers' names: ``router.proj``, ``scale``, ``per_expert_scale``)."""
+
+    def __init__(self, hidden: int, experts: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Linear(hidden, experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+
+
+class Gemma4MoE(MoE):
+    """Gemma 4's mixture of experts (26B-A4B), beside each layer's dense MLP: the softmax
+    over every expert, its top k renormalised to sum to 1 and scaled per expert; experts
+    ``down(gelu(gate) * up)`` with gate and up the two halves of one projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.top_k = cfg.experts_per_token
+        self.num_experts = cfg.num_experts
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gemma_router = Gemma4Router(cfg.hidden_size, cfg.num_experts, cfg.rms_norm_eps)
+        self.experts = ExpertWeights(cfg.num_experts, cfg.hidden_size,
+                                     cfg.moe_intermediate_size, out_in=True)
+        self.linears = None
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.gemma_router
+        h = flat.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + r.eps)
+        h = (h.type_as(flat) * r.scale * flat.shape[-1] ** -0.5)
+        probs = torch.softmax(r.proj(h), dim=-1, dtype=torch.float32)
+        top, chosen = probs.topk(self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return (top * r.per_expert_scale[chosen]).to(flat.dtype), chosen
+
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        out: torch.Tensor = self.act(gate) * up
+        return out
 
 
 def split_experts(model: nn.Module) -> int:
