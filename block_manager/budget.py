@@ -1,6 +1,6 @@
 """KV memory arithmetic: layer groups, bytes per block, pool sizing, capacity in words.
 
-Everything a request will ever need is known when it arrives (DESIGN.md §3), so the one
+Everything a request will ever need is known when it arrives (docs/design.md §3), so the one
 pool all layer groups share is sized once and admission is exact.
 """
 

@@ -63,7 +63,8 @@ class _SeqState:
 
 
 class KVCacheManager:
-    """Owns the one block pool of every layer group and every sequence's tables.
+    """Owns the one block pool of every layer group and every sequence's tables
+    (docs/design.md §3: why admission is exact, with sharing and drafts).
 
     A sequence is admitted with the number of tokens it may ever hold (prompt +
     max_tokens); its reservation, the sum over groups of ``min(ceil(n / b), R)`` blocks, is

@@ -1,4 +1,5 @@
-"""Prefix caching: chained block hashes, and the longest prefix every layer group can reuse.
+"""Prefix caching: chained block hashes, and the longest prefix every layer group can reuse
+(docs/design.md §9).
 
 Block ``k`` of a sequence (tokens ``[k*b, (k+1)*b)``) is named by a hash of its parent's
 name and its own tokens, so a name stands for the whole prefix up to the block's end. A

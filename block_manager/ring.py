@@ -1,4 +1,5 @@
-"""The ring rule, written once: where a position lives and how many blocks a sequence holds.
+"""The ring rule, written once: where a position lives and how many blocks a sequence holds
+(docs/design.md §2; its slack for prefix caching and speculation: §9, §10).
 
 For a layer group with window ``w`` and block size ``b`` the ring has ``R = ceil(w / b)``
 blocks, ``C = R * b >= w`` token slots. Position ``p`` lives in logical block ``p // b``,

@@ -1,4 +1,5 @@
-"""The engine loop in a thread beside an asyncio server: per-request streams and aborts.
+"""The engine loop in a thread beside an asyncio server: per-request streams and aborts
+(the thread contract: docs/design.md §11).
 
 The loop thread alone touches engine state. Requests are tokenized and checked on the
 caller's side (`LLMEngine.make_request` reads nothing that changes), then handed over

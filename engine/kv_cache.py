@@ -1,4 +1,5 @@
-"""The KV cache tensors: one pool of blocks, a (K, V) pair per layer of a block."""
+"""The KV cache tensors: one pool of blocks, a (K, V) view per layer of a block
+(docs/design.md §8)."""
 
 from __future__ import annotations
 

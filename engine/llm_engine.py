@@ -194,10 +194,10 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests it changed.
 
-        Faults stay small: an error while sampling or emitting one sequence's token (its
-        logits processing, grammar, stop strings, detokenization) aborts that request with
-        the error and no other (`_sample_apart`); only an error in the model's forward,
-        which no one request owns, aborts the step's requests.
+        Faults stay small (docs/design.md §4): an error while sampling or emitting one
+        sequence's token (its logits processing, grammar, stop strings, detokenization)
+        aborts that request with the error and no other (`_sample_apart`); only an error in
+        the model's forward, which no one request owns, aborts the step's requests.
         """
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
@@ -396,7 +396,7 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges behind `/metrics` (DESIGN.md §7), read live: call it on the
+        """Counters and gauges behind `/metrics` (docs/design.md §7), read live: call it on the
         thread that steps the engine (`AsyncLLM` publishes them as snapshots for others).
 
         Raises:

@@ -1,7 +1,7 @@
 """Paged ring attention and KV cache writes: Triton kernels with a torch reference each.
 
 `paged_attention` and `write_kv` dispatch to Triton on CUDA tensors and to the torch
-reference (`kernels.reference`) elsewhere; see DESIGN.md §5 for the contract.
+reference (`kernels.reference`) elsewhere; see docs/design.md §5 for the contract.
 """
 
 from __future__ import annotations

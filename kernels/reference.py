@@ -5,7 +5,7 @@ against. They share the signatures of `kernels.paged_attention` / `kernels.write
 `paged_attention_reference` never mutates its inputs; `write_kv_reference` mutates only the
 two caches, as the contract says.
 
-Ring mapping (DESIGN.md §2): cached position `p` of sequence `s` lives in
+Ring mapping (docs/design.md §2): cached position `p` of sequence `s` lives in
 `cache[table[s, (p // b) % R], p % b]` with a ring of `R` blocks, or `table[s, p // b]` for
 full attention. With a window `w`, the query at position `i` sees keys `i - w < j <= i`.
 

@@ -24,7 +24,7 @@ def slot_rows(
     """Flat cache rows (`block * block_size + offset`) of cached positions.
 
     Position p of sequence s lives in block `table[s, (p // b) % R]` (ring) or
-    `table[s, p // b]` (full table), at offset `p % b` (DESIGN.md §2).
+    `table[s, p // b]` (full table), at offset `p % b` (docs/design.md §2).
 
     Args:
         block_tables: [num_seqs, table_width] block ids.

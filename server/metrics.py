@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §7), prefix ``ringserve:``, label ``model_name``.
+"""Prometheus metrics (docs/design.md §7), prefix ``ringserve:``, label ``model_name``.
 
 Gauges and counters are the engine's own, as the engine thread last published them (one
 snapshot a step, `AsyncLLM.stats`), read at scrape time (a collector): they never drift from

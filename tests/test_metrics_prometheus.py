@@ -28,7 +28,7 @@ from tests.tiny_models import make_checkpoint
 FLAGS = ("--block-size", "4", "--kv-cache-memory", "4MiB", "--max-model-len", "256",
          "--max-num-batched-tokens", "64", "--debug-kv", "--served-model-name", "tiny")
 C = "/v1/completions"
-# Every series of DESIGN.md §7, and the per-layer-group ones, as /metrics spells them.
+# Every series of docs/design.md §7, and the per-layer-group ones, as /metrics spells them.
 DESIGN_SERIES = [
     "kv_cache_usage_perc", "kv_blocks_total", "kv_blocks_used", "kv_blocks_reserved",
     "num_requests_running", "num_requests_waiting", "max_concurrent_sequences",

@@ -1,0 +1,58 @@
+"""The project's documents are its own and its citations resolve (issue 27).
+
+- Every ``docs/design.md §N`` cited in the code, tests and docs is a section of
+  docs/design.md; nothing cites a design note outside the repository.
+- Every repository path the README and docs/ name in backticks exists.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "design.md"
+CITATION = re.compile("docs/design\\.md \u00a7(\\d+)(?:[\u2013-]\u00a7?(\\d+))?")
+OUTSIDE = re.compile(r"(?<!docs/)(?<![\w/])DESIGN\.md")
+
+
+def tracked(*suffixes: str) -> list[pathlib.Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return [ROOT / f for f in out if f.endswith(suffixes) and (ROOT / f).is_file()]
+
+
+def sections() -> set[int]:
+    return {int(m) for m in re.findall(r"^## (\d+)\. ", DESIGN.read_text(), flags=re.M)}
+
+
+def test_every_cited_section_exists() -> None:
+    have = sections()
+    assert have == set(range(1, max(have) + 1)), "sections are numbered 1, 2, ... in order"
+    cited: list[tuple[str, int]] = []
+    for path in tracked(".py", ".md", ".yaml", ".toml", ".sh"):
+        for m in CITATION.finditer(path.read_text(errors="replace")):
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            cited += [(str(path.relative_to(ROOT)), n) for n in range(lo, hi + 1)]
+    assert len(cited) >= 8, "the code points into the design document"
+    missing = [(f, n) for f, n in cited if n not in have]
+    assert not missing, missing
+
+
+def test_nothing_cites_a_design_note_outside_the_repository() -> None:
+    hits = [str(p.relative_to(ROOT)) for p in tracked(".py", ".md", ".yaml", ".toml")
+            if p.name != "test_docs.py" and OUTSIDE.search(p.read_text(errors="replace"))]
+    assert not hits, hits
+
+
+def test_paths_the_docs_name_exist() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    top = {p.name for p in ROOT.iterdir()}
+    missing = []
+    for doc in docs:
+        for m in re.finditer(r"`([\w./-]+\.(?:py|md|yaml|json|sh|png|cpp))`", doc.read_text()):
+            name = m.group(1)
+            if name.split("/")[0] in top and not (ROOT / name).exists():
+                missing.append((doc.name, name))
+    assert not missing, missing
