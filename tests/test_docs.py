@@ -56,3 +56,31 @@ def test_paths_the_docs_name_exist() -> None:
             if name.split("/")[0] in top and not (ROOT / name).exists():
                 missing.append((doc.name, name))
     assert not missing, missing
+
+
+def test_the_readmes_python_runs() -> None:
+    """The offline example of the README, as it is written (on the default preset)."""
+    import contextlib
+    import io
+
+    from tests.presets import CACHE_DIR
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "the README shows the offline API"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for code in blocks:  # the preset converted once, into the tests' cache folder
+            exec(code.replace('LLM("gemma-3-270m")',
+                              f'LLM("gemma-3-270m", cache_dir={str(CACHE_DIR)!r})'), {})
+    assert len(out.getvalue().strip()) > 20
+
+
+def test_links_between_documents_resolve() -> None:
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            target = m.group(1)
+            if not target.startswith(("http://", "https://")) and \
+                    not (doc.parent / target).exists():
+                missing.append((doc.name, target))
+    assert not missing, missing
