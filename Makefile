@@ -30,10 +30,11 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 
 # The tools the deployment tests drive (tests/test_metrics_prometheus.py, test_deploy_files.py,
 # test_nginx_replicas.py, test_gpu_check.py) come from Debian: prometheus (+ promtool), nginx,
-# docker-compose (v1: validates compose files offline), shellcheck. Installed only when a
+# docker-compose (v1: validates compose files offline), shellcheck, curl (the README's
+# example, tests/test_docs.py). Installed only when a
 # binary is missing; needs root (CI runs as root) or sudo.
-DEB_PACKAGES := prometheus nginx docker-compose shellcheck
-DEB_BINARIES := prometheus promtool nginx docker-compose shellcheck
+DEB_PACKAGES := prometheus nginx docker-compose shellcheck curl
+DEB_BINARIES := prometheus promtool nginx docker-compose shellcheck curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(VENV)/.stamp-debian: $(VENV)/.stamp-base
 	@missing=; for b in $(DEB_BINARIES); do \

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM  # noqa: E402
-from engine.loading import load_tokenizer, resolve_model  # noqa: E402
-from engine.models import CausalLM  # noqa: E402
-from kernels import cpu_isa  # noqa: E402
+from ringserve.engine import LLM  # noqa: E402
+from ringserve.engine.loading import load_tokenizer, resolve_model  # noqa: E402
+from ringserve.engine.models import CausalLM  # noqa: E402
+from ringserve.kernels import cpu_isa  # noqa: E402
 from tests.model_harness import teacher_forced_logits  # noqa: E402
 
 SEED_DIR = ROOT.parent / "shared" / "seed"

@@ -22,7 +22,7 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM  # noqa: E402
+from ringserve.engine import LLM  # noqa: E402
 
 CACHE = ROOT / ".cache" / "ringserve-bench"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from block_manager import KVCacheManager, KVCacheSpec, group_layers
+from ringserve.block_manager import KVCacheManager, KVCacheSpec, group_layers
 
 
 def _step(kv: KVCacheManager, ids: range) -> float:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
 from paths import LOGS, RESULTS, log  # noqa: E402
 
-from block_manager import KVCacheSpec, blocks_for_tokens  # noqa: E402
+from ringserve.block_manager import KVCacheSpec, blocks_for_tokens  # noqa: E402
 
 MEMORY = 2 * 2**30
 LENGTHS = (256, 4096, 8192, 32768)
@@ -83,7 +83,7 @@ def per_group_pools(spec: KVCacheSpec, tokens: int, max_model_len: int) -> int |
 
 def ringserve_counts(caching: bool) -> tuple[dict[int, int], dict[int, int], KVCacheSpec]:
     """(capacity statement, admitted until full) per length, and the KV spec."""
-    from engine import LLM
+    from ringserve.engine import LLM
 
     llm = LLM(model="gemma-3-270m", dtype="bfloat16", kv_cache_memory=MEMORY,
               max_model_len=max(LENGTHS), enable_prefix_caching=caching)

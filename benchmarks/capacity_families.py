@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from block_manager import KVCacheSpec, plan_num_blocks, sequences_that_fit  # noqa: E402
-from engine.kv_cache import kv_cache_spec  # noqa: E402
-from engine.models import model_config_from_hf  # noqa: E402
+from ringserve.block_manager import KVCacheSpec, plan_num_blocks, sequences_that_fit  # noqa: E402
+from ringserve.engine.kv_cache import kv_cache_spec  # noqa: E402
+from ringserve.engine.models import model_config_from_hf  # noqa: E402
 
 MEMORY = 2 * 2**30
 BLOCK = 16

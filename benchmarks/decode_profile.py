@@ -21,7 +21,7 @@ from bench_setup import (
     random_prompts,
 )
 
-from engine import LLM, SamplingParams
+from ringserve.engine import LLM, SamplingParams
 
 
 @dataclass

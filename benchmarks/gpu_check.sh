@@ -14,7 +14,7 @@
 #                 is installed, else a synthetic Mistral-style model built on the spot
 # Environment: PYTHON (default python3); GPU_CHECK_TIMEOUT_TESTS / _KERNELS / _E2E in
 #   seconds (defaults 120 / 100 / 220: about 7.5 minutes in all). Nothing is downloaded:
-#   the project is installed with `pip install -e . --no-deps` only when `import engine`
+#   the project is installed with `pip install -e . --no-deps` only when `import ringserve.engine`
 #   fails.
 # Exit status: 0 when every stage passed or was skipped (no CUDA device: every stage is
 #   skipped at once), 1 when a stage failed or timed out, 2 for bad arguments.
@@ -56,7 +56,7 @@ report() {  # stage, status, seconds
   printf '%-8s %-34s %5ss\n' "$1" "$2" "$3" >>"$summary"
 }
 
-preflight() {  # what the machine has, into env.txt; make `import engine` work
+preflight() {  # what the machine has, into env.txt; make `import ringserve.engine` work
   {
     date -u; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
     command -v nvidia-smi >/dev/null && nvidia-smi
@@ -70,8 +70,8 @@ for name in ("torch", "triton", "transformers", "pytest", "hypothesis", "yaml", 
         print(name, "MISSING:", err)
 EOF
   } >"$out/env.txt" 2>&1
-  if ! (cd / && "$PY" -c 'import engine, kernels') >>"$out/env.txt" 2>&1; then
-    echo "import engine failed: pip install -e . --no-deps" | tee -a "$out/env.txt"
+  if ! (cd / && "$PY" -c 'import ringserve.engine, ringserve.kernels') >>"$out/env.txt" 2>&1; then
+    echo "import ringserve.engine failed: pip install -e . --no-deps" | tee -a "$out/env.txt"
     "$PY" -m pip install -q -e . --no-deps --no-build-isolation >>"$out/env.txt" 2>&1 \
       || export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
   fi

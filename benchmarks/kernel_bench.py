@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels
+from ringserve import kernels
 
 
 @dataclass(frozen=True)

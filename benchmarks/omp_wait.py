@@ -38,7 +38,7 @@ SETTINGS = {
 
 ENGINE = """
 import json, sys, time
-from engine import LLM, SamplingParams
+from ringserve.engine import LLM, SamplingParams
 llm = LLM("gemma-3-270m")
 prompts = [f"Request {i}: tell me a story about the number {i}." for i in range(8)]
 params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -51,8 +51,8 @@ print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt})
 
 TRANSFORMERS = """
 import json, time, torch, transformers
-from engine.loading import resolve_model
-from engine.startup import cpu_bf16_units
+from ringserve.engine.loading import resolve_model
+from ringserve.engine.startup import cpu_bf16_units
 path = resolve_model("gemma-3-270m").path
 dtype = torch.bfloat16 if cpu_bf16_units() else torch.float32
 model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     cpu = subprocess.run(["grep", "-o", "-m1", "model name.*", "/proc/cpuinfo"],
                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    from kernels import cpu_isa
+    from ringserve.kernels import cpu_isa
 
     print(f"{cpu}; {cpu_isa.info().describe()}; {os.cpu_count()} CPUs")
     rows = []

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_build, cpu_isa
-from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+from ringserve.kernels import cpu_build, cpu_isa
+from ringserve.kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 # (name, n, k, bits, group): gemma-3-270m's linears as its Q4_K_M GGUF stores them
 # (tests/test_gemma_preset.py checks these layouts), the head cut from 262,144 rows to

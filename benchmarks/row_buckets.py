@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(bucketed: bool, requests: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from engine import LLM, SamplingParams
-    from engine.models import packed_linear
+    from ringserve.engine import LLM, SamplingParams
+    from ringserve.engine.models import packed_linear
 
     if not bucketed:
         packed_linear.bucket_rows = lambda rows: rows  # type: ignore[assignment]

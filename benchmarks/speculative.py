@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from ringserve.engine import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARAGRAPHS = [

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams
+from ringserve.engine import LLM, SamplingParams
 
 
 def main() -> None:

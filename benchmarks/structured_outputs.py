@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from ringserve.engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMA = {

@@ -74,7 +74,7 @@ from decode_profile import (
     print_decode,
 )
 
-from engine import SamplingParams
+from ringserve.engine import SamplingParams
 
 # -- the three peers -----------------------------------------------------------------------
 

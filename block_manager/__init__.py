@@ -1,6 +1,6 @@
 """Ring KV block management, in pure Python (no torch): one pool, block tables, budget."""
 
-from block_manager.budget import (
+from ringserve.block_manager.budget import (
     Admission,
     AdmissionState,
     Capacity,
@@ -15,10 +15,15 @@ from block_manager.budget import (
     sequences_that_fit,
     slab_layers,
 )
-from block_manager.manager import KVCacheError, KVCacheManager, KVStats, RequestTooLargeError
-from block_manager.pool import BlockPool, BlockPoolError
-from block_manager.ring import blocks_for_tokens, ring_length, ring_slack, table_index
-from block_manager.table import SKIP_SLOT, BlockTable
+from ringserve.block_manager.manager import (
+    KVCacheError,
+    KVCacheManager,
+    KVStats,
+    RequestTooLargeError,
+)
+from ringserve.block_manager.pool import BlockPool, BlockPoolError
+from ringserve.block_manager.ring import blocks_for_tokens, ring_length, ring_slack, table_index
+from ringserve.block_manager.table import SKIP_SLOT, BlockTable
 
 __all__ = [
     "SKIP_SLOT",

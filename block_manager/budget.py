@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from block_manager.ring import blocks_for_tokens, ring_length
+from ringserve.block_manager.ring import blocks_for_tokens, ring_length
 
 
 @dataclass(frozen=True, kw_only=True)

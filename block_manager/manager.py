@@ -6,17 +6,17 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from block_manager.budget import (
+from ringserve.block_manager.budget import (
     AdmissionState,
     Capacity,
     KVCacheSpec,
     capacity,
     sequences_that_fit,
 )
-from block_manager.pool import BlockPool
-from block_manager.prefix import Hit, PrefixIndex, extend_chain
-from block_manager.ring import overwrites_between, recycles_between, ring_slack
-from block_manager.table import SKIP_SLOT, BlockTable
+from ringserve.block_manager.pool import BlockPool
+from ringserve.block_manager.prefix import Hit, PrefixIndex, extend_chain
+from ringserve.block_manager.ring import overwrites_between, recycles_between, ring_slack
+from ringserve.block_manager.table import SKIP_SLOT, BlockTable
 
 
 class RequestTooLargeError(ValueError):

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from block_manager.budget import KVCacheSpec
-from block_manager.pool import BlockPool
-from block_manager.ring import blocks_for_tokens, table_index
+from ringserve.block_manager.budget import KVCacheSpec
+from ringserve.block_manager.pool import BlockPool
+from ringserve.block_manager.ring import blocks_for_tokens, table_index
 
 ROOT = b"ringserve-prefix-v1"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from block_manager.pool import BlockPool
-from block_manager.ring import (
+from ringserve.block_manager.pool import BlockPool
+from ringserve.block_manager.ring import (
     blocks_for_tokens,
     overwrites_between,
     recycles_between,

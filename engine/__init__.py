@@ -13,12 +13,12 @@ import os as _os
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.errors import EngineDeadError, InvalidRequestError
+from ringserve.engine.llm import LLM
+from ringserve.engine.llm_engine import LLMEngine
+from ringserve.engine.outputs import CompletionOutput, RequestOutput
+from ringserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import Request
-from engine.sampling_params import SamplingParams
-from engine.sequence import PromptLogprob, TokenLogprob
-from engine.stopping import stream_text
+from ringserve.engine.errors import EngineDeadError, InvalidRequestError
+from ringserve.engine.llm_engine import LLMEngine, Prompt
+from ringserve.engine.outputs import Request
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.sequence import PromptLogprob, TokenLogprob
+from ringserve.engine.stopping import stream_text
 
 logger = logging.getLogger("ringserve.engine")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from ringserve.engine.errors import InvalidRequestError
 
 DEFAULT_CPU_KV_MEMORY = "2GiB"  # a sensible share of a 24 GiB machine
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90

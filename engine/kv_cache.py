@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from block_manager import KVCacheSpec, group_layers, ring_slack
-from engine.models import KVCaches, ModelConfig
+from ringserve.block_manager import KVCacheSpec, group_layers, ring_slack
+from ringserve.engine.models import KVCaches, ModelConfig
 
 
 def kv_cache_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,

@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.llm_engine import LLMEngine, Prompt
+from ringserve.engine.outputs import RequestOutput
+from ringserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -16,23 +16,23 @@ from typing import Any
 
 import torch
 
-from block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
-from engine import spec_decode
-from engine.config import EngineConfig
-from engine.cpu_threads import apply_threads
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
-from engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
-from engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
-from engine.loading.quantize import pick_quantization, weight_bytes
-from engine.model_runner import ModelRunner
-from engine.outputs import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import PromptLogprob, Sequence, SequenceStatus
-from engine.spec_decode import SpeculativeConfig
-from engine.startup import (
+from ringserve.block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
+from ringserve.engine import spec_decode
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.cpu_threads import apply_threads
+from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
+from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
+from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
+from ringserve.engine.model_runner import ModelRunner
+from ringserve.engine.outputs import Request
+from ringserve.engine.sampler import Sampler
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.scheduler import ScheduledSeq, Scheduler
+from ringserve.engine.sequence import PromptLogprob, Sequence, SequenceStatus
+from ringserve.engine.spec_decode import SpeculativeConfig
+from ringserve.engine.startup import (
     describe,
     describe_cpu_kernels,
     kv_memory_bytes,
@@ -40,9 +40,9 @@ from engine.startup import (
     pick_dtype,
     pick_numerics,
 )
-from engine.stopping import append_token
-from engine.structured_output import StructuredOutputs
-from kernels import cpu_build, cpu_isa
+from ringserve.engine.stopping import append_token
+from ringserve.engine.structured_output import StructuredOutputs
+from ringserve.kernels import cpu_build, cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 

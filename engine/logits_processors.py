@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.sequence import Sequence
+from ringserve.engine.sequence import Sequence
 
 
 def apply(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Collection[int]) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from block_manager import KVCacheManager
-from engine.forward_batch import ForwardBatch, GroupTables
-from engine.models import CausalLM, KVCaches
-from engine.scheduler import ScheduledSeq
-from engine.sequence import PromptLogprob
+from ringserve.block_manager import KVCacheManager
+from ringserve.engine.forward_batch import ForwardBatch, GroupTables
+from ringserve.engine.models import CausalLM, KVCaches
+from ringserve.engine.scheduler import ScheduledSeq
+from ringserve.engine.sequence import PromptLogprob
 
 # NOTE: prompt positions reduced to logprobs at once: bounds the float32 [rows, vocab]
 # logits a long prompt's chunk materialises (64 x 262k x 4 bytes = 64 MiB).

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import PromptLogprob, Sequence, TokenLogprob
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.sequence import PromptLogprob, Sequence, TokenLogprob
 
 
 @dataclass

@@ -8,10 +8,10 @@ from collections.abc import Collection
 
 import torch
 
-from engine import logits_processors
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, TokenLogprob
-from engine.structured_output import StructuredOutputs
+from ringserve.engine import logits_processors
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.sequence import Sequence, TokenLogprob
+from ringserve.engine.structured_output import StructuredOutputs
 
 
 class Sampler:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from ringserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 # a seed is a signed 64-bit integer (as vLLM's): torch.Generator.manual_seed takes

@@ -11,9 +11,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from block_manager import KVCacheManager
-from engine import spec_decode
-from engine.sequence import Sequence, SequenceStatus
+from ringserve.block_manager import KVCacheManager
+from ringserve.engine import spec_decode
+from ringserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

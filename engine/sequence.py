@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):

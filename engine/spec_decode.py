@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import InvalidRequestError
-from engine.sequence import Sequence
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.sequence import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16
 

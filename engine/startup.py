@@ -6,12 +6,12 @@ import logging
 
 import torch
 
-from block_manager import KVCacheSpec, parse_size
-from engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
-from engine.errors import InvalidRequestError
-from engine.loading import parse_dtype
-from engine.loading.quantize import pick_int16_activations
-from kernels import cpu_isa
+from ringserve.block_manager import KVCacheSpec, parse_size
+from ringserve.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.loading import parse_dtype
+from ringserve.engine.loading.quantize import pick_int16_activations
+from ringserve.kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -151,9 +151,9 @@ def describe(spec: KVCacheSpec, num_blocks: int, memory: int) -> str:
 
 def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """The CPU class and the path each kind of layer took, for the start-up log."""
-    from engine.models.packed_linear import CompactLinear, PackedLinear
-    from engine.models.quant_linear import QuantLinear
-    from kernels import cpu_build
+    from ringserve.engine.models.packed_linear import CompactLinear, PackedLinear
+    from ringserve.engine.models.quant_linear import QuantLinear
+    from ringserve.kernels import cpu_build
 
     info = cpu_isa.info()
     built = cpu_build.available()

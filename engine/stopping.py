@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from engine.sequence import Sequence, SequenceStatus
+from ringserve.engine.sequence import Sequence, SequenceStatus
 
 
 def append_token(seq: Sequence, token_id: int, eos_token_ids: Collection[int]) -> None:

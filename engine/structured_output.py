@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputsParams
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from engine.sequence import Sequence
+    from ringserve.engine.sequence import Sequence
 
 CACHE_SIZE = 256  # distinct compiled constraints kept (a small JSON schema is ~100 KiB)
 # NOTE: bounded whitespace between JSON tokens: a model may format its JSON as it likes,

@@ -6,7 +6,7 @@ reference (`kernels.reference`) elsewhere; see docs/design.md §5 for the contra
 
 from __future__ import annotations
 
-from kernels.api import paged_attention, write_kv
-from kernels.reference import paged_attention_reference, write_kv_reference
+from ringserve.kernels.api import paged_attention, write_kv
+from ringserve.kernels.reference import paged_attention_reference, write_kv_reference
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "write_kv_reference"]

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels.checks import (
+from ringserve.kernels.checks import (
     check_attention_args,
     check_sinks,
     check_unit_stride,
@@ -19,7 +19,7 @@ from kernels.checks import (
     check_write_args,
     pick_backend,
 )
-from kernels.reference import paged_attention_reference, write_kv_reference
+from ringserve.kernels.reference import paged_attention_reference, write_kv_reference
 
 
 def _require_triton_device(t: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ def paged_attention(
     check_sinks(sinks, query)
     chosen = pick_backend(backend, query)
     if chosen == "cpu":
-        from kernels.cpu_attention import paged_attention_cpu, supports
+        from ringserve.kernels.cpu_attention import paged_attention_cpu, supports
 
         if not supports(query):
             raise ValueError("backend='cpu' needs CPU float32/bfloat16 tensors and the "
@@ -110,7 +110,7 @@ def paged_attention(
     check_unit_stride("value_cache", value_cache)
     if out is not None:
         check_unit_stride("out", out)
-    from kernels.triton_attention import paged_attention_triton
+    from ringserve.kernels.triton_attention import paged_attention_triton
 
     return paged_attention_triton(
         _unit_last(query), _unit_last(key), _unit_last(value), key_cache, value_cache,
@@ -146,7 +146,7 @@ def write_kv(
     _require_triton_device(key)
     check_unit_stride("key_cache", key_cache)
     check_unit_stride("value_cache", value_cache)
-    from kernels.triton_cache import write_kv_triton
+    from ringserve.kernels.triton_cache import write_kv_triton
 
     write_kv_triton(_unit_last(key), _unit_last(value), key_cache, value_cache,
                     slot_mapping.contiguous())  # fmt: skip

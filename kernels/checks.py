@@ -45,7 +45,7 @@ def pick_backend(backend: str | None, query: torch.Tensor) -> str:
     if backend is None:
         if query.is_cuda:
             return "triton"
-        from kernels.cpu_attention import supports
+        from ringserve.kernels.cpu_attention import supports
 
         return "cpu" if supports(query) else "torch"
     if backend not in BACKENDS:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available, ops
-from kernels.reference import Batch, prefill_row
-from kernels.torch_plan import step_plan
+from ringserve.kernels.cpu_build import available, ops
+from ringserve.kernels.reference import Batch, prefill_row
+from ringserve.kernels.torch_plan import step_plan
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

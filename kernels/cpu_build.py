@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_isa
+from ringserve.kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.kernels")
 

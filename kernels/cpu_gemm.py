@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available, ops
+from ringserve.kernels.cpu_build import available, ops
 
 # NOTE: up to this many rows each weight row is widened in registers per pass of 8 rows;
 # more rows widen blocks of the weight into float32 tiles (measured here on gemma-3-270m's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import available, ops
+from ringserve.kernels.cpu_build import available, ops
 
 
 def supports(x: torch.Tensor, float32: bool = False) -> bool:

@@ -20,9 +20,9 @@ import functools
 
 import torch
 
-from kernels import cpu_isa
-from kernels.cpu_build import available, ops
-from kernels.quant import QuantizedWeight
+from ringserve.kernels import cpu_isa
+from ringserve.kernels.cpu_build import available, ops
+from ringserve.kernels.quant import QuantizedWeight
 
 
 def supports(qw: QuantizedWeight) -> bool:

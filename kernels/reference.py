@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.torch_gather import flat_rows, gather_rows
-from kernels.torch_plan import DecodeRows, PrefillRow, step_plan
+from ringserve.kernels.torch_gather import flat_rows, gather_rows
+from ringserve.kernels.torch_plan import DecodeRows, PrefillRow, step_plan
 
 # NOTE: a prefill chunk is processed in query slices of this many tokens, which bounds the
 # score matrix at QUERY_CHUNK x (QUERY_CHUNK + window) per head however long the chunk is.

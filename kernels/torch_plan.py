@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.torch_gather import slot_rows
+from ringserve.kernels.torch_gather import slot_rows
 
 # NOTE: one entry per layer group that alternates within a step: gemma-3-270m has six (five
 # sliding groups of 3 layers and one full group), its layers visiting them out of order.

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, attend_cached, attend_fresh, find_seq, next_pow2
+from ringserve.kernels.triton_common import LOG2E, attend_cached, attend_fresh, find_seq, next_pow2
 
 
 @triton.jit

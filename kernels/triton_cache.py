@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import next_pow2
+from ringserve.kernels.triton_common import next_pow2
 
 
 @triton.jit

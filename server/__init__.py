@@ -3,4 +3,4 @@
 NOTE: `engine` first: it sets OpenMP's wait policy before torch loads (engine/__init__.py).
 """
 
-import engine  # noqa: F401
+from ringserve import engine  # noqa: F401

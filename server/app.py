@@ -20,13 +20,13 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import EngineConfig, LLMEngine
-from engine.async_llm import AsyncLLM
-from server.errors import error_response, install_error_handlers
-from server.metrics import Metrics
-from server.protocol import ErrorResponse
-from server.routes import chat, completions, misc
-from server.state import Phase, ServeArgs, ServerState, parse_shapes
+from ringserve.engine import EngineConfig, LLMEngine
+from ringserve.engine.async_llm import AsyncLLM
+from ringserve.server.errors import error_response, install_error_handlers
+from ringserve.server.metrics import Metrics
+from ringserve.server.protocol import ErrorResponse
+from ringserve.server.routes import chat, completions, misc
+from ringserve.server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 import yaml
 
-from server.state import Phase, ServeArgs, ServerState, parse_shapes
+from ringserve.server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 # Seconds after --shutdown-timeout for the aborted requests' last chunks to go out before
@@ -49,7 +49,7 @@ FLAGS: list[tuple[str, type, str]] = [
 
 
 def defaults() -> dict[str, Any]:
-    text = importlib.resources.files("configs").joinpath("server.yaml").read_text()
+    text = importlib.resources.files("ringserve.configs").joinpath("server.yaml").read_text()
     loaded: dict[str, Any] = yaml.safe_load(text)
     return loaded
 
@@ -169,7 +169,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(ns: argparse.Namespace) -> int:
-    from server.app import create_app
+    from ringserve.server.app import create_app
 
     args = _serve_args(ns)
     if args.shutdown_timeout < 0:
@@ -190,7 +190,7 @@ def serve(ns: argparse.Namespace) -> int:
 
 
 def generate(ns: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from ringserve.engine import LLM, SamplingParams
 
     args = _serve_args(ns)
     kwargs = args.engine_kwargs()

@@ -11,10 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import EngineDeadError, InvalidRequestError
-from engine.async_llm import QueueFullError
-from engine.loading import ModelLoadError
-from server.protocol import NEUTRAL_ONLY, FieldError
+from ringserve.engine import EngineDeadError, InvalidRequestError
+from ringserve.engine.async_llm import QueueFullError
+from ringserve.engine.loading import ModelLoadError
+from ringserve.server.protocol import NEUTRAL_ONLY, FieldError
 
 logger = logging.getLogger("ringserve.server")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from server.tools import ParsedCall
+from ringserve.server.tools import ParsedCall
 
 START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")

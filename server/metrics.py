@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from block_manager import KVCacheSpec, admission
-from engine.async_llm import StreamDelta
+from ringserve.block_manager import KVCacheSpec, admission
+from ringserve.engine.async_llm import StreamDelta
 
 P = "ringserve:"
 

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.json_values import INT64_MAX, INT64_MIN, json_value_problem, show
+from ringserve.server.json_values import INT64_MAX, INT64_MIN, json_value_problem, show
 
 
 class StrictModel(BaseModel):

@@ -10,12 +10,12 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
-from engine.async_llm import AsyncLLM, StreamDelta
-from engine.outputs import Request
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.state import ServerState
+from ringserve.engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from ringserve.engine.async_llm import AsyncLLM, StreamDelta
+from ringserve.engine.outputs import Request
+from ringserve.server.errors import APIError
+from ringserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from ringserve.server.state import ServerState
 
 SSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when streaming"}}

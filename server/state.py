@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_llm import AsyncLLM
+from ringserve.engine.async_llm import AsyncLLM
 
 
 class Phase(enum.Enum):
@@ -72,7 +72,7 @@ class ServerState:
 
     def ready_llm(self) -> AsyncLLM:
         """The engine front, or a 503 while starting, stopping or after a failed start."""
-        from server.errors import APIError
+        from ringserve.server.errors import APIError
 
         if self.phase is not Phase.READY or self.llm is None:
             detail = f": {self.error}" if self.error else ""

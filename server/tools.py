@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import StructuredOutputsParams
-from server.errors import APIError
-from server.json_values import json_value_problem
-from server.protocol import (
+from ringserve.engine import StructuredOutputsParams
+from ringserve.server.errors import APIError
+from ringserve.server.json_values import json_value_problem
+from ringserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,

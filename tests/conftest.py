@@ -53,7 +53,7 @@ def engines() -> Iterator[list[Any]]:
 
 def _variants() -> list[str]:
     try:
-        from kernels import cpu_isa
+        from ringserve.kernels import cpu_isa
     except ImportError:  # block_manager tests need no torch
         return []
     return cpu_isa.runnable_variants()
@@ -64,7 +64,7 @@ def cpu_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """Each kernel variant this CPU can execute (`kernels.cpu_isa`), as if the process ran
     on a CPU of that class: every op, the oneDNN packing choice and the auto dtype follow.
     On an AMX machine this tests the AVX2 and portable paths an AVX2-only machine serves."""
-    from kernels import cpu_build, cpu_isa
+    from ringserve.kernels import cpu_build, cpu_isa
 
     variant: str = request.param
     real = cpu_isa.info()

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from block_manager import KVCacheManager
-from engine.forward_batch import ForwardBatch, GroupTables
-from engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
-from engine.loading import load_model
-from engine.models import CausalLM
+from ringserve.block_manager import KVCacheManager
+from ringserve.engine.forward_batch import ForwardBatch, GroupTables
+from ringserve.engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
+from ringserve.engine.loading import load_model
+from ringserve.engine.models import CausalLM
 
 
 class RingHarness:

@@ -47,7 +47,7 @@ def run_server(model: str | Path, *args: str, log_dir: Path, timeout: float = 60
     """A server process for ``model``; waits until /health says ready."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
+    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model),
            "--port", str(port), "--log-level", "warning", *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,

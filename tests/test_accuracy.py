@@ -29,7 +29,7 @@ from benchmarks.accuracy import (
     text_tokens,
     variant_logits,
 )
-from engine.models import CausalLM
+from ringserve.engine.models import CausalLM
 from tests.model_harness import teacher_forced_logits
 from tests.tiny_models import B, make_checkpoint, random_tokens
 
@@ -188,7 +188,7 @@ def test_parse_variant() -> None:
 
 
 def test_text_tokens_start_with_bos(tiny: Tiny) -> None:
-    from engine.loading import load_tokenizer
+    from ringserve.engine.loading import load_tokenizer
 
     tok = load_tokenizer(tiny["mistral"][0])
     ids = text_tokens(tok, "The ring buffer overwrites the oldest token in the window.", 5)

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_manager import KVCacheManager, KVCacheSpec, admission, group_layers
-from block_manager.budget import sequences_that_fit
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from ringserve.block_manager import KVCacheManager, KVCacheSpec, admission, group_layers
+from ringserve.block_manager.budget import sequences_that_fit
+from ringserve.engine import LLMEngine, SamplingParams
+from ringserve.engine.config import EngineConfig
 from tests.server_utils import run_server
 from tests.tiny_models import make_checkpoint, random_tokens
 

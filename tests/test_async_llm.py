@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine import EngineConfig, EngineDeadError, LLMEngine, SamplingParams
-from engine.async_llm import AsyncLLM, StreamDelta
+from ringserve.engine import EngineConfig, EngineDeadError, LLMEngine, SamplingParams
+from ringserve.engine.async_llm import AsyncLLM, StreamDelta
 from tests.tiny_models import B, make_checkpoint, random_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -107,7 +107,7 @@ def test_an_engine_error_fails_its_requests_and_the_loop_goes_on(
 
 
 def test_bad_input_is_refused_before_queueing(front: AsyncLLM) -> None:
-    from engine import InvalidRequestError
+    from ringserve.engine import InvalidRequestError
 
     async def main() -> None:
         with pytest.raises(InvalidRequestError) as err:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from block_manager import BlockPool, BlockPoolError
+from ringserve.block_manager import BlockPool, BlockPoolError
 
 
 def test_fifo_reuse_and_usage() -> None:

@@ -13,10 +13,10 @@ import pathlib
 import pytest
 import torch
 
-from engine import LLM
-from engine.cpu_threads import cgroup_quota, choose_threads
-from engine.errors import InvalidRequestError
-from kernels import cpu_build, cpu_isa
+from ringserve.engine import LLM
+from ringserve.engine.cpu_threads import cgroup_quota, choose_threads
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.kernels import cpu_build, cpu_isa
 from tests.tiny_models import make_checkpoint
 
 BASE = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
@@ -161,7 +161,7 @@ def test_start_up_log_names_class_kernels_and_threads(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """In a container with a 2-CPU quota on a bigger machine the log shows 2 threads."""
-    from engine import cpu_threads
+    from ringserve.engine import cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("RINGSERVE_NUM_THREADS", raising=False)
@@ -193,7 +193,7 @@ def test_start_up_log_names_class_kernels_and_threads(
 def test_no_runtime_error_from_any_option(tmp_path_factory: pytest.TempPathFactory,
                                           cpu_variant: str, dtype: str,
                                           quantization: str) -> None:
-    from engine import SamplingParams
+    from ringserve.engine import SamplingParams
 
     path = make_checkpoint("gemma3_text", tmp_path_factory.mktemp("ckpt"))
     try:
@@ -212,7 +212,7 @@ def test_no_runtime_error_from_any_option(tmp_path_factory: pytest.TempPathFacto
 def test_bf16_kv_cache_under_a_float32_model(tmp_path: pathlib.Path) -> None:
     """Twice the blocks in the same memory, and the served logits as close to the float32
     cache's as bf16 rounding of K and V allows (teacher-forced past the window)."""
-    from engine import SamplingParams
+    from ringserve.engine import SamplingParams
 
     path = make_checkpoint("gemma3_text", tmp_path)
     kw = {"dtype": "float32", "kv_cache_memory": "4MiB", "max_model_len": 160}

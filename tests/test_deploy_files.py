@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from server import metrics
-from server.cli import ABORT_GRACE_S, defaults
+from ringserve.server import metrics
+from ringserve.server.cli import ABORT_GRACE_S, defaults
 from tests.deploy_utils import (
     DASHBOARD,
     DOCKER,

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -84,3 +85,46 @@ def test_links_between_documents_resolve() -> None:
                     not (doc.parent / target).exists():
                 missing.append((doc.name, target))
     assert not missing, missing
+
+
+def test_make_serve_and_the_readmes_curl(tmp_path: pathlib.Path) -> None:
+    """The README's first command and its curl, as written (``make test`` is what CI runs;
+    `make serve` here on another port, after the same install). The other presets and the
+    flags pass through ``ARGS`` the same way."""
+    import os
+    import shlex
+    import signal
+    import time
+
+    import httpx
+
+    from tests.presets import CACHE_DIR
+    from tests.server_utils import free_port
+
+    text = (ROOT / "README.md").read_text()
+    bash = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    assert bash[0].splitlines()[0].startswith("make serve")
+    curl = next(b for b in bash if b.startswith("curl")).replace("\\\n", " ")
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(["make", "-s", "serve", f"ARGS=--port {port} --max-model-len 512"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "RINGSERVE_CACHE": str(CACHE_DIR)},
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        out = subprocess.run(shlex.split(curl.replace(":8000", f":{port}")), check=True,
+                             capture_output=True, text=True, timeout=120).stdout
+        body = json.loads(out)
+        assert body["usage"]["completion_tokens"] == 32 and body["choices"][0]["text"]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
+from ringserve.engine import LLM, InvalidRequestError, SamplingParams
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, spec_decode
+from ringserve.engine import LLM, SamplingParams, spec_decode
 from tests.tiny_models import FAMILIES, W, hf_reference, make_checkpoint, make_llm, random_tokens
 
 NEW = 10 * W

@@ -20,11 +20,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import InvalidRequestError, LLMEngine, SamplingParams, logits_processors
-from engine import llm_engine as engine_module
-from engine.async_llm import AsyncLLM, QueueFullError
-from engine.config import EngineConfig
-from server.metrics import Metrics
+from ringserve.engine import InvalidRequestError, LLMEngine, SamplingParams, logits_processors
+from ringserve.engine import llm_engine as engine_module
+from ringserve.engine.async_llm import AsyncLLM, QueueFullError
+from ringserve.engine.config import EngineConfig
+from ringserve.server.metrics import Metrics
 from tests.tiny_models import W, make_checkpoint, random_tokens
 
 

@@ -432,8 +432,8 @@ FUZZED = {("GET", p) for p in GET_ROUTES} | {("POST", p) for p in POST_ROUTES}
 
 def app_routes() -> set[tuple[str, str]]:
     """(method, path) of every route the app serves (HEAD aside)."""
-    from server.app import create_app
-    from server.state import ServeArgs
+    from ringserve.server.app import create_app
+    from ringserve.server.state import ServeArgs
 
     out: set[tuple[str, str]] = set()
 

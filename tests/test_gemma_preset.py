@@ -51,9 +51,9 @@ def test_gemma_270m_served_from_its_gguf_blocks() -> None:
     repacked, against transformers' float32 dequantization of the same file, teacher-forced
     past the window. Each tensor keeps its block type's layout (Q8_0 and Q5_0 as int8 per
     32, Q6_K as int8 per 16, Q4_K as 4-bit per 32)."""
-    from engine.loading import load_model
-    from engine.loading.quantize import weight_bytes
-    from engine.models.quant_linear import QuantEmbedding, QuantLinear
+    from ringserve.engine.loading import load_model
+    from ringserve.engine.loading.quantize import weight_bytes
+    from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear
     from tests.model_harness import teacher_forced_logits
 
     path = preset_path("gemma-3-270m")

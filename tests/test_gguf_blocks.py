@@ -27,10 +27,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
-from engine.loading import load_presets
-from engine.loading.convert import _preset_gguf
-from engine.loading.gguf_blocks import SUPPORTED_TYPES, read_linears, repack
-from kernels.quant import INT4_CHUNK, QuantizedWeight, dequantize, unpack_int4
+from ringserve.engine.loading import load_presets
+from ringserve.engine.loading.convert import _preset_gguf
+from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES, read_linears, repack
+from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight, dequantize, unpack_int4
 from tests.presets import preset_path
 
 EXACT = (Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1)
@@ -115,7 +115,7 @@ def test_repack_matches_gguf_dequantize(
 
 def test_repack_is_chunk_independent(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows repacked a few at a time (as for a large embedding) give the same weight."""
-    import engine.loading.gguf_blocks as blocks
+    import ringserve.engine.loading.gguf_blocks as blocks
 
     raw = random_blocks(Q.Q6_K, 40, 512, seed=3)
     whole = repack(Q.Q6_K, raw, (40, 512))

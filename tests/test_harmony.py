@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.harmony import HarmonyStream, is_harmony, parse_harmony
+from ringserve.server.harmony import HarmonyStream, is_harmony, parse_harmony
 
 REASON_THEN_CALL = (
     "<|channel|>analysis<|message|>Need the weather; call the tool.<|end|>"
@@ -143,7 +143,7 @@ class _LLM:
                                              (PREAMBLE_TWO_CALLS, "auto")])
 def test_the_route_answers_as_openai_reads_it(monkeypatch: pytest.MonkeyPatch, text: str,
                                               tools: str | None) -> None:
-    from server.routes import chat
+    from ringserve.server.routes import chat
 
     monkeypatch.setattr(chat, "merged", _fake_merged(text, 1000))
     body = asyncio.run(chat._complete(_LLM(), [_Request()], "chatcmpl-1", "m", tools,

@@ -14,13 +14,13 @@ import pathlib
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.loading import load_model
-from engine.loading.quantize import pick_int16_activations
-from engine.models.quant_linear import QuantLinear
-from kernels import cpu_build, cpu_isa, cpu_quant
-from kernels.quant import (
+from ringserve.engine import LLM, SamplingParams
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.loading import load_model
+from ringserve.engine.loading.quantize import pick_int16_activations
+from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
+from ringserve.kernels.quant import (
     QuantizedWeight,
     dequantize,
     int16_act_matmul_reference,
@@ -213,7 +213,7 @@ def test_engine_serves_with_int16_activations(tmp_path: pathlib.Path, cpu_varian
 
 
 def test_kv_cache_dtype_follows_int16_activations() -> None:
-    from engine.startup import pick_kv_dtype
+    from ringserve.engine.startup import pick_kv_dtype
 
     cpu = torch.device("cpu")
     assert pick_kv_dtype("auto", torch.float32, cpu, int16_activations=True)[0] == torch.bfloat16

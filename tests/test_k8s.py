@@ -25,10 +25,10 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from server import metrics
-from server.app import create_app
-from server.cli import ABORT_GRACE_S, build_parser
-from server.state import ServeArgs
+from ringserve.server import metrics
+from ringserve.server.app import create_app
+from ringserve.server.cli import ABORT_GRACE_S, build_parser
+from ringserve.server.state import ServeArgs
 from tests.deploy_utils import DOCKER, ROOT, tool
 
 K8S = DOCKER / "k8s"

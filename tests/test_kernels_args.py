@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
+from ringserve import kernels
 from tests.kernel_utils import Case, make_case
 
 

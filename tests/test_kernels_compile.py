@@ -22,8 +22,8 @@ import sys
 from triton import compile as compile_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.triton_attention import combine_splits_kernel, paged_attention_kernel
-from kernels.triton_cache import write_kv_kernel
+from ringserve.kernels.triton_attention import combine_splits_kernel, paged_attention_kernel
+from ringserve.kernels.triton_cache import write_kv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_PTRS = {"out_ptr", "q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr",

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_build
-from kernels.checks import pick_backend
+from ringserve import kernels
+from ringserve.kernels import cpu_build
+from ringserve.kernels.checks import pick_backend
 from tests.kernel_utils import (
     CASE_IDS,
     CASES,
@@ -104,7 +104,7 @@ def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def test_rms_norm_matches_float64_on_strided_rows(cpu_variant: str) -> None:
-    from kernels import cpu_norm
+    from ringserve.kernels import cpu_norm
 
     torch.manual_seed(0)
     wide = torch.randn(7, 3, 2 * 80).to(torch.bfloat16)
@@ -119,7 +119,7 @@ def test_rms_norm_matches_float64_on_strided_rows(cpu_variant: str) -> None:
 @pytest.mark.parametrize("rot", [32, 16], ids=["full", "partial"])
 @pytest.mark.parametrize("norm", [True, False])
 def test_norm_rope_matches_float64(cpu_variant: str, rot: int, norm: bool) -> None:
-    from kernels import cpu_norm
+    from ringserve.kernels import cpu_norm
 
     torch.manual_seed(1)
     tokens, heads, d = 5, 3, 32

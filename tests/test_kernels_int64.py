@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-import kernels
+from ringserve import kernels
 from tests.kernel_utils import assert_close
 
 BLOCK_SIZE, HEAD_DIM = 4, 16

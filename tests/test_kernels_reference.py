@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_attention
-from kernels.reference import QUERY_CHUNK, paged_attention_reference
+from ringserve import kernels
+from ringserve.kernels import cpu_attention
+from ringserve.kernels.reference import QUERY_CHUNK, paged_attention_reference
 from tests.kernel_utils import (
     CASE_IDS,
     CASES,
@@ -38,7 +38,7 @@ def test_reference_random_configs(seed: int) -> None:
 
 
 def test_reference_on_cpu_without_compiled_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import cpu_build
+    from ringserve.kernels import cpu_build
 
     monkeypatch.setitem(cpu_build._state, "ok", False)  # as on a machine without a compiler
     case = make_case([(9, 2), (4, 1)], seed=3)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import paged_attention_reference, write_kv_reference
+from ringserve import kernels
+from ringserve.kernels.reference import paged_attention_reference, write_kv_reference
 from tests.kernel_utils import (
     CASE_IDS,
     CASES,
@@ -34,7 +34,7 @@ def _check_triton(case: Case, device: str = "cpu", **launch: object) -> None:
     tensors = _to(case, device)
     out = torch.full_like(tensors[0], float("nan"))
     if launch:
-        from kernels.triton_attention import paged_attention_triton
+        from ringserve.kernels.triton_attention import paged_attention_triton
 
         paged_attention_triton(*tensors, **case.kwargs(), out=out, **launch)  # type: ignore[arg-type]
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from block_manager import (
+from ringserve.block_manager import (
     SKIP_SLOT,
     KVCacheError,
     KVCacheManager,

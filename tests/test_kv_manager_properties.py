@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-import kernels
-from block_manager import (
+from ringserve import kernels
+from ringserve.block_manager import (
     SKIP_SLOT,
     KVCacheManager,
     KVCacheSpec,
@@ -32,7 +32,7 @@ from block_manager import (
     RequestTooLargeError,
     group_layers,
 )
-from engine.kv_cache import allocate_kv_caches
+from ringserve.engine.kv_cache import allocate_kv_caches
 
 windows = st.one_of(st.none(), st.integers(1, 20))
 # a layer: its window and its head size (Gemma 4: full layers with larger heads), so one

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from block_manager import KVCacheSpec, group_layers
-from engine.kv_cache import allocate_kv_caches
-from kernels.checks import pick_backend
-from kernels.torch_gather import gather_rows
+from ringserve import kernels
+from ringserve.block_manager import KVCacheSpec, group_layers
+from ringserve.engine.kv_cache import allocate_kv_caches
+from ringserve.kernels.checks import pick_backend
+from ringserve.kernels.torch_gather import gather_rows
 from tests.kernel_utils import Case, assert_close, dense_attention, make_case
 
 BACKENDS = ["cpu", "torch", "triton"]  # triton: the interpreter on this CPU

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.loading import (
+from ringserve.engine.loading import (
     CONVERT_VERSION,
     ModelLoadError,
     UnsupportedModelError,
@@ -30,10 +30,11 @@ from engine.loading import (
     parse_dtype,
     resolve_model,
 )
-from engine.loading.convert import gguf_identity
+from ringserve.engine.loading.convert import gguf_identity
 from tests.presets import CACHE_DIR, preset_path
 
-CONVERT_GGUF = "engine.loading.convert.convert_gguf"  # the real conversion, stubbed out below
+# the real conversion, stubbed out below
+CONVERT_GGUF = "ringserve.engine.loading.convert.convert_gguf"
 WORDS = ["[UNK]", "once", "upon", "a", "time", "there", "was", "girl"]
 
 
@@ -307,7 +308,7 @@ def test_a_multimodal_gemma4_checkpoint_serves_its_language_model(tmp_path: Path
     we load its text model, skip the towers, and compute what the text-only one does."""
     from safetensors.torch import load_file, save_file
 
-    from engine import LLM, SamplingParams
+    from ringserve.engine import LLM, SamplingParams
     from tests.tiny_models import make_checkpoint, random_tokens
 
     text = make_checkpoint("gemma4_text", tmp_path)

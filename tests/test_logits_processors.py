@@ -21,10 +21,10 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from engine import LLM, logits_processors
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from ringserve.engine import LLM, logits_processors
+from ringserve.engine.sampler import Sampler
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.sequence import Sequence
 from tests.tiny_models import hf_reference, make_checkpoint, random_tokens
 
 VOCAB = 64

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from engine.loading.mxfp4 import FP4_VALUES, dequantize_mxfp4, merge_mxfp4, quantize_mxfp4
+from ringserve.engine.loading.mxfp4 import FP4_VALUES, dequantize_mxfp4, merge_mxfp4, quantize_mxfp4
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
 

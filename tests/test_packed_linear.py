@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.loading import load_model
-from engine.models.packed_linear import (
+from ringserve.engine.loading import load_model
+from ringserve.engine.models.packed_linear import (
     CompactLinear,
     PackedLinear,
     bucket_rows,
@@ -24,7 +24,7 @@ from engine.models.packed_linear import (
     fuse_projections,
     pack_linears,
 )
-from kernels import cpu_gemm, cpu_isa
+from ringserve.kernels import cpu_gemm, cpu_isa
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import FAMILIES, B, W, make_checkpoint, random_tokens
 
@@ -196,8 +196,8 @@ def test_pack_linears_swaps_every_linear(checkpoints: dict[str, pathlib.Path],
 def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig
 
-    from engine import startup
-    from engine.errors import InvalidRequestError
+    from ringserve.engine import startup
+    from ringserve.engine.errors import InvalidRequestError
 
     cpu, cfg = torch.device("cpu"), LlamaConfig(dtype="float16")
     monkeypatch.setattr(startup, "cpu_bf16_units", lambda: ["AVX512-BF16"])
@@ -215,8 +215,8 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_engine_logs_its_dtype_choice(checkpoints: dict[str, pathlib.Path],
                                       caplog: pytest.LogCaptureFixture) -> None:
-    from engine import LLM
-    from engine.startup import cpu_bf16_units
+    from ringserve.engine import LLM
+    from ringserve.engine.startup import cpu_bf16_units
 
     with caplog.at_level("INFO", logger="ringserve.engine"):
         llm = LLM(str(checkpoints["mistral"]), kv_cache_memory="4MiB", max_model_len=64)

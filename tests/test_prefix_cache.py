@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from engine import LLM, SamplingParams
+from ringserve.engine import LLM, SamplingParams
 from tests.tiny_models import W, make_checkpoint, make_llm, random_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

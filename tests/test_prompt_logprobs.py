@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine import model_runner as runner_module
+from ringserve.engine import LLM, SamplingParams
+from ringserve.engine import model_runner as runner_module
 from tests.server_utils import Server, run_server
 from tests.test_logits_processors import single_token_word
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, make_llm, random_tokens

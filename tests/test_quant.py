@@ -11,12 +11,17 @@ import pathlib
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.loading import load_model
-from engine.loading.quantize import INT4_GROUP, INT8_GROUP, pick_quantization, weight_bytes
-from engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear, concat_rows
-from kernels import cpu_build, cpu_quant
-from kernels.quant import (
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.loading import load_model
+from ringserve.engine.loading.quantize import (
+    INT4_GROUP,
+    INT8_GROUP,
+    pick_quantization,
+    weight_bytes,
+)
+from ringserve.engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear, concat_rows
+from ringserve.kernels import cpu_build, cpu_quant
+from ringserve.kernels.quant import (
     QuantizedWeight,
     dequantize,
     pack_int4,

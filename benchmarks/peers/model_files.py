@@ -15,7 +15,7 @@ from paths import MODEL
 
 def hf_folder() -> Path:
     """The preset converted once by ringserve's loader (~1 min the first time)."""
-    from engine.loading import resolve_model
+    from ringserve.engine.loading import resolve_model
 
     return Path(resolve_model(MODEL).path)
 

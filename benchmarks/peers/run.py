@@ -168,7 +168,9 @@ def machine() -> str:
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    from kernels import cpu_isa  # the CPU class decides ringserve's kernels (and vLLM's bf16)
+    from ringserve.kernels import (
+        cpu_isa,  # the CPU class decides ringserve's kernels (and vLLM's bf16)
+    )
 
     info = cpu_isa.info()
     flags = " ".join(sorted(f for f in info.flags if f.startswith(("avx", "amx", "fma", "f16c"))))

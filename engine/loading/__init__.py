@@ -19,17 +19,17 @@ A caller resolves first, then builds:
     model = load_model(resolved.path, dtype=parse_dtype("bf16"))
 """
 
-from engine.loading.build import load_model
-from engine.loading.checkpoint import (
+from ringserve.engine.loading.build import load_model
+from ringserve.engine.loading.checkpoint import (
     check_model_type,
     iter_weights,
     load_hf_config,
     load_tokenizer,
     parse_dtype,
 )
-from engine.loading.convert import CONVERT_VERSION, resolve_model
-from engine.loading.errors import ModelLoadError, UnsupportedModelError
-from engine.loading.find import (
+from ringserve.engine.loading.convert import CONVERT_VERSION, resolve_model
+from ringserve.engine.loading.errors import ModelLoadError, UnsupportedModelError
+from ringserve.engine.loading.find import (
     Preset,
     ResolvedModel,
     check_files,

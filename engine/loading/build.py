@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import model_layer_groups
-from engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
-from engine.loading.mxfp4 import merge_mxfp4
-from engine.loading.quantize import quantize_model
-from engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
-from engine.models.moe import split_experts
-from engine.models.packed_linear import (
+from ringserve.engine.kv_cache import model_layer_groups
+from ringserve.engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
+from ringserve.engine.loading.mxfp4 import merge_mxfp4
+from ringserve.engine.loading.quantize import quantize_model
+from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
+from ringserve.engine.models.moe import split_experts
+from ringserve.engine.models.packed_linear import (
     CompactLinear,
     can_compact,
     can_pack,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.loading.errors import ModelLoadError, UnsupportedModelError
-from engine.loading.find import no_config_error, weight_files
+from ringserve.engine.loading.errors import ModelLoadError, UnsupportedModelError
+from ringserve.engine.loading.find import no_config_error, weight_files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -42,9 +42,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.loading import gguf_blocks
-from engine.loading.errors import ModelLoadError
-from engine.loading.find import (
+from ringserve.engine.loading import gguf_blocks
+from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.find import (
     Preset,
     ResolvedModel,
     Source,

@@ -19,7 +19,7 @@ from typing import Literal, TypeAlias
 
 import yaml
 
-from engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.errors import ModelLoadError
 
 # NOTE: huggingface_hub reads this once, when it is first imported; `local_files_only=True`
 # in every transformers call covers the case where something imported it earlier.
@@ -73,7 +73,7 @@ def load_presets() -> dict[str, Preset]:
     Raises:
         ValueError: the YAML does not have the documented shape.
     """
-    text = resources.files("configs").joinpath("models.yaml").read_text(encoding="utf-8")
+    text = resources.files("ringserve.configs").joinpath("models.yaml").read_text(encoding="utf-8")
     raw = yaml.safe_load(text)
     presets: dict[str, Preset] = {}
     for name, entry in (raw.get("presets") or {}).items():

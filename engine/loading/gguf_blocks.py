@@ -49,8 +49,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.loading.find import weight_files
-from kernels.quant import INT4_CHUNK, QuantizedWeight, pack_int4
+from ringserve.engine.loading.find import weight_files
+from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight, pack_int4
 
 __all__ = ["SUPPORTED_TYPES", "gguf_tensor_names", "read_linears", "repack"]
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.errors import ModelLoadError
 
 # E2M1: sign, two exponent bits, one mantissa bit; codes 0-7 positive, 8-15 their negatives
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.errors import InvalidRequestError
-from engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
-from engine.models.layers import Attention, RMSNorm
-from engine.models.moe import MoE
-from engine.models.packed_linear import PackedLinear
-from engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
-from kernels import cpu_build, cpu_isa, cpu_quant
-from kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+from ringserve.engine.errors import InvalidRequestError
+from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
+from ringserve.engine.models.layers import Attention, RMSNorm
+from ringserve.engine.models.moe import MoE
+from ringserve.engine.models.packed_linear import PackedLinear
+from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
+from ringserve.kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 logger = logging.getLogger("ringserve.engine")
 

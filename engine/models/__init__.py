@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.models.config import (
+from ringserve.engine.models.config import (
     SUPPORTED_MODEL_TYPES,
     ModelConfig,
     UnsupportedConfigError,
     model_config_from_hf,
 )
-from engine.models.decoder import CausalLM, KVCaches
+from ringserve.engine.models.decoder import CausalLM, KVCaches
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
-from engine.models.config import ModelConfig
-from engine.models.layers import ACTIVATIONS, MLP, Attention, Rotary, make_norm
-from engine.models.moe import Gemma4MoE, MoE
+from ringserve.engine.forward_batch import ForwardBatch
+from ringserve.engine.models.config import ModelConfig
+from ringserve.engine.models.layers import ACTIVATIONS, MLP, Attention, Rotary, make_norm
+from ringserve.engine.models.moe import Gemma4MoE, MoE
 
 _LAYER_MOE = re.compile(r"^(model\.layers\.\d+\.)(router|experts)\.")
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from engine.forward_batch import ForwardBatch
-from engine.models.config import ModelConfig, RopeConfig, UnsupportedConfigError
-from kernels import cpu_norm
+from ringserve import kernels
+from ringserve.engine.forward_batch import ForwardBatch
+from ringserve.engine.models.config import ModelConfig, RopeConfig, UnsupportedConfigError
+from ringserve.kernels import cpu_norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.config import ModelConfig
-from engine.models.layers import ACTIVATIONS
+from ringserve.engine.models.config import ModelConfig
+from ringserve.engine.models.layers import ACTIVATIONS
 
 
 class Router(nn.Module):

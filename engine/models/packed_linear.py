@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers import MLP, Attention
-from kernels import cpu_build, cpu_gemm, cpu_isa
+from ringserve.engine.models.layers import MLP, Attention
+from ringserve.kernels import cpu_build, cpu_gemm, cpu_isa
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

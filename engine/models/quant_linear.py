@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import MLP, Attention
-from kernels import cpu_quant
-from kernels.quant import QuantizedWeight, dequantize
+from ringserve.engine.models.layers import MLP, Attention
+from ringserve.kernels import cpu_quant
+from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 logger = logging.getLogger("ringserve.engine")
 

@@ -11,10 +11,10 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from engine.sequence import TokenLogprob
-from server.errors import APIError, error_body, to_api_error
-from server.harmony import HarmonyStream, is_harmony, parse_harmony
-from server.protocol import (
+from ringserve.engine.sequence import TokenLogprob
+from ringserve.server.errors import APIError, error_body, to_api_error
+from ringserve.server.harmony import HarmonyStream, is_harmony, parse_harmony
+from ringserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -28,8 +28,8 @@ from server.protocol import (
     TopLogprob,
     Usage,
 )
-from server.routes.completions import prompt_logprobs_body
-from server.serving import (
+from ringserve.server.routes.completions import prompt_logprobs_body
+from ringserve.server.serving import (
     SSE,
     cancel_on_disconnect,
     check_model,
@@ -39,7 +39,7 @@ from server.serving import (
     request_id,
     sampling_params,
 )
-from server.tools import (
+from ringserve.server.tools import (
     ChoiceCalls,
     render_messages,
     template_knows_tools,

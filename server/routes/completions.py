@@ -11,10 +11,10 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from engine.outputs import prompt_logprobs_dicts
-from engine.sequence import PromptLogprob, TokenLogprob
-from server.errors import APIError, error_body, to_api_error
-from server.protocol import (
+from ringserve.engine.outputs import prompt_logprobs_dicts
+from ringserve.engine.sequence import PromptLogprob, TokenLogprob
+from ringserve.server.errors import APIError, error_body, to_api_error
+from ringserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -23,7 +23,7 @@ from server.protocol import (
     PromptLogprobsBody,
     Usage,
 )
-from server.serving import (
+from ringserve.server.serving import (
     SSE,
     cancel_on_disconnect,
     check_model,

@@ -8,9 +8,9 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
-from block_manager import admission
-from server.errors import APIError
-from server.protocol import (
+from ringserve.block_manager import admission
+from ringserve.server.errors import APIError
+from ringserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -19,9 +19,9 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.routes.chat import chat_prompt_ids
-from server.serving import check_model
-from server.state import Phase
+from ringserve.server.routes.chat import chat_prompt_ids
+from ringserve.server.serving import check_model
+from ringserve.server.state import Phase
 
 router = APIRouter()
 VERSION = "0.1.0"

@@ -1,0 +1,5 @@
+"""``python -m ringserve serve ...``: the ``ringserve`` command."""
+
+from ringserve.server.cli import main
+
+raise SystemExit(main())
