@@ -92,38 +92,47 @@ def traffic(url: str, stop: threading.Event, worker: int) -> None:
                 assert client.post(C, json={**body, "model": "nope"}).status_code == 404
 
 
-@pytest.mark.slow
-def test_prometheus_scrapes_every_dashboard_series(server: Server,
-                                                   tmp_path: pathlib.Path) -> None:
-    targets = dashboard_targets()
-    assert len(targets) >= 20
+def missing_under_traffic(url: str, prom: str, exprs: list[str],
+                          timeout: float = 60) -> list[str]:
+    """Run `traffic` from two workers against ``url`` until every PromQL expression returns
+    data on ``prom`` (or ``timeout`` s pass); the expressions still without any. A worker's
+    error is raised."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def worker(n: int) -> None:
         try:
-            traffic(server.url, stop, n)
+            traffic(url, stop, n)
         except BaseException as err:  # reported by the test thread
             errors.append(err)
             stop.set()
 
     threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(2)]
+    for t in threads:
+        t.start()
+    missing = list(exprs)
+    try:
+        deadline = time.monotonic() + timeout
+        while missing and time.monotonic() < deadline and not errors:
+            time.sleep(1)
+            missing = [e for e in missing if not has_data(query(prom, e))]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    return missing
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_every_dashboard_series(server: Server,
+                                                   tmp_path: pathlib.Path) -> None:
+    targets = dashboard_targets()
+    assert len(targets) >= 20
     host = server.url.removeprefix("http://")
     with run_prometheus([host], tmp_path) as prom:
-        for t in threads:
-            t.start()
-        try:
-            missing = list(targets)
-            deadline = time.monotonic() + 60
-            while missing and time.monotonic() < deadline and not errors:
-                time.sleep(1)
-                missing = [t for t in missing if not has_data(query(prom, grafana_to_promql(
-                    t.expr)))]
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not errors, errors
+        exprs = {grafana_to_promql(t.expr): t for t in targets}
+        missing = [exprs[e] for e in missing_under_traffic(server.url, prom, list(exprs))]
         assert not missing, "\n".join(f"{t.panel}: {t.expr}" for t in missing)
         assert values(query(prom, 'up{job="ringserve"}')) == [1.0]
 

@@ -10,16 +10,14 @@ Each must return data against ringserve under traffic.
 from __future__ import annotations
 
 import pathlib
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.deploy_utils import has_data, query, run_prometheus, values
+from tests.deploy_utils import query, run_prometheus, values
 from tests.server_utils import Server, run_server
-from tests.test_metrics_prometheus import traffic
+from tests.test_metrics_prometheus import missing_under_traffic
 from tests.tiny_models import make_checkpoint
 
 M = '{model_name="tiny"}'
@@ -81,31 +79,8 @@ def test_without_the_flag_there_are_none(tmp_path: pathlib.Path) -> None:
 
 def test_prometheus_answers_vllms_dashboard_queries(server: Server,
                                                      tmp_path: pathlib.Path) -> None:
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def worker(n: int) -> None:
-        try:
-            traffic(server.url, stop, n)
-        except BaseException as err:  # reported by the test thread
-            errors.append(err)
-            stop.set()
-
-    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(2)]
     with run_prometheus([server.url.removeprefix("http://")], tmp_path) as prom:
-        for t in threads:
-            t.start()
-        try:
-            missing = list(QUERIES)
-            deadline = time.monotonic() + 60
-            while missing and time.monotonic() < deadline and not errors:
-                time.sleep(1)
-                missing = [q for q in missing if not has_data(query(prom, q))]
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not errors, errors
+        missing = missing_under_traffic(server.url, prom, QUERIES)
         assert not missing, "\n".join(missing)
         # the same numbers under both names
         ours = values(query(prom, f"ringserve:generation_tokens_total{M}"))
