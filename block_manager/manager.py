@@ -121,6 +121,7 @@ class KVCacheManager:
                              f"{speculative_tokens} tokens of slack beyond prefix caching's "
                              f"(ring_slack >= {slack}); see block_manager.ring")
         self.speculative_tokens = speculative_tokens
+        self._reservations: dict[int, tuple[int, ...]] = {}
         self._seqs: dict[Hashable, _SeqState] = {}
         self._reserved_full = 0
         self._reserved_ring = 0
@@ -135,8 +136,16 @@ class KVCacheManager:
     # -- admission ---------------------------------------------------------------------
 
     def reservation(self, prompt_len: int, max_tokens: int) -> tuple[int, ...]:
-        """Blocks per group a request of ``prompt_len + max_tokens`` tokens may hold."""
-        return self.spec.blocks_needed(prompt_len + max_tokens)
+        """Blocks per group a request of ``prompt_len + max_tokens`` tokens may hold
+        (remembered by length: the engine's snapshot asks it of every waiting sequence each
+        step)."""
+        n = prompt_len + max_tokens
+        need = self._reservations.get(n)
+        if need is None:
+            if len(self._reservations) > 4096:
+                self._reservations.clear()
+            need = self._reservations[n] = self.spec.blocks_needed(n)
+        return need
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """Raise `RequestTooLargeError` if the request could never fit the pool."""
