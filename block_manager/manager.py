@@ -460,10 +460,11 @@ class KVCacheManager:
         return self._committed()
 
     def admission_state(self, waiting: Sequence[tuple[int, int]], running: int,
-                        max_running: int) -> AdmissionState:
+                        max_running: int, stats: KVStats | None = None) -> AdmissionState:
         """What `budget.admission` answers from, now: ``waiting`` the (prompt, max_tokens)
-        of each waiting sequence in queue order, ``running`` the sequences admitted."""
-        stats = self.stats()
+        of each waiting sequence in queue order, ``running`` the sequences admitted;
+        ``stats`` this moment's `stats()`, if the caller has it already."""
+        stats = self.stats() if stats is None else stats
         return AdmissionState(
             num_blocks=self.pool.num_blocks, committed=self._committed(),
             waiting=tuple(sum(self.reservation(p, m)) for p, m in waiting),

@@ -450,7 +450,7 @@ class LLMEngine:
             out[f"request_success_{reason}"] = self.counters[f"request_success:{reason}"]
         out["admission_state"] = self.kv.admission_state(
             [(s.num_prompt_tokens, s.max_tokens) for s in self.scheduler.waiting],
-            len(self.scheduler.running), self.scheduler.max_num_seqs)
+            len(self.scheduler.running), self.scheduler.max_num_seqs, kv)
         return out
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ringserve.engine.models.config import ModelConfig
-from ringserve.engine.models.layers import ACTIVATIONS
+from ringserve.engine.models.layers import ACTIVATIONS, rms_unit
 
 
 class Router(nn.Module):
@@ -168,9 +168,7 @@ class Gemma4MoE(MoE):
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.gemma_router
-        h = flat.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + r.eps)
-        h = (h.type_as(flat) * r.scale * flat.shape[-1] ** -0.5)
+        h = rms_unit(flat, r.eps) * r.scale * flat.shape[-1] ** -0.5
         probs = torch.softmax(r.proj(h), dim=-1, dtype=torch.float32)
         top, chosen = probs.topk(self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
