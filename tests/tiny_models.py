@@ -133,18 +133,22 @@ def byte_bpe_tokenizer(chat_template: bool = True) -> transformers.PreTrainedTok
 
 
 def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False,
-                    chat_template: bool = True) -> pathlib.Path:
+                    chat_template: bool = True,
+                    overrides: dict[str, Any] | None = None) -> pathlib.Path:
     """Save a random ``family`` model and the tokenizer under ``root / family``.
 
     Args:
         eos: give the model an end-of-sequence id (the tokenizer's ``<eos>``); by default
             none, so greedy runs never stop early.
         chat_template: give the tokenizer a chat template.
+        overrides: config fields that replace the family's own (the folder is then named
+            ``<family>-custom``).
     """
     class_name, extra = FAMILIES[family]
     tokenizer = byte_bpe_tokenizer(chat_template)
     eos_id = tokenizer.eos_token_id if eos else None
-    cfg = getattr(transformers, class_name)(**{**COMMON, **extra, "eos_token_id": eos_id})
+    fields = {**COMMON, **extra, "eos_token_id": eos_id, **(overrides or {})}
+    cfg = getattr(transformers, class_name)(**fields)
     torch.manual_seed(sum(map(ord, family)))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random biases and norm weights, so they matter in the check
@@ -156,7 +160,7 @@ def make_checkpoint(family: str, root: pathlib.Path, *, eos: bool = False,
             if name.endswith("layer_scalar"):
                 buf.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = eos_id
-    path = root / (family + ("-eos" if eos else ""))
+    path = root / (family + ("-eos" if eos else "") + ("-custom" if overrides else ""))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
