@@ -48,10 +48,17 @@ $(VENV)/.stamp-debian: $(VENV)/.stamp-base
 	fi
 	touch $@
 
+# llama.cpp's sources (its `convert_hf_to_gguf.py` makes the GGUF files that
+# tests/test_gguf_families.py reads), unpacked from the llama-cpp-python sdist; nothing is built.
+LLAMACPP_CONVERT := .cache/peers/llamacpp/llama.cpp/convert_hf_to_gguf.py
+$(LLAMACPP_CONVERT): $(VENV)/.stamp-base
+	$(PY) benchmarks/peers/setup_llamacpp.py --sources
+	test -f $@ && touch $@
+
 serve: $(VENV)/.stamp-base $(VENV)/.stamp-models
 	$(VENV)/bin/ringserve serve $(ARGS)
 
-test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian
+test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian $(LLAMACPP_CONVERT)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-test

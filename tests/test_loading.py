@@ -249,7 +249,7 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_unreadable_gguf_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="transformers could not convert"):
+    with pytest.raises(ModelLoadError, match="gguf-py could not convert"):
         resolve_model(fake_gguf(tmp_path / "src", payload=b"not a gguf"), cache_dir=tmp_path / "c")
     assert [p for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == []
 

@@ -8,6 +8,10 @@ x86-64-v3 (AVX2, FMA, F16C; no AVX-512) in a build folder of its own: the llama.
 AVX2-only machine runs, beside ringserve capped to the same class.
 
     .venv/bin/python benchmarks/peers/setup_llamacpp.py     # idempotent; ~10-18 min once
+    .venv/bin/python benchmarks/peers/setup_llamacpp.py --sources   # only the sources
+
+`make test` runs the second (a 74 MB download, seconds): tests/test_gguf_families.py converts
+tiny checkpoints with llama.cpp's own `convert_hf_to_gguf.py`.
 """
 
 from __future__ import annotations
@@ -118,6 +122,9 @@ def bf16_gguf(hf_folder: Path) -> Path:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--sources"]:
+        log(f"llama.cpp sources: {sources()}")
+        return
     from model_files import hf_folder
 
     log(f"llama-server: {build()}")

@@ -7,7 +7,9 @@ local folder, converting presets and GGUF files once into the cache folder
 
 transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
 tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
-plain safetensors in seconds instead of converting for a minute. Beside it goes the file's
+plain safetensors in seconds instead of converting for a minute. The sliding-window
+architectures transformers cannot read from GGUF (gemma2, olmo2, exaone4, cohere2, gpt-oss)
+are read by `gguf_model` instead. Beside it goes the file's
 own quantized blocks, repacked into our layout (`gguf_blocks.BLOCKS_FILE`), which
 `--quantization gguf` (the default for these models on a CPU) serves.
 
@@ -250,8 +252,11 @@ def _match_modes(out: Path) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
-    """Dequantize a GGUF with transformers and save it as a bfloat16 safetensors HF folder,
-    with the file's own quantized blocks repacked beside it (`gguf_blocks.save_blocks`).
+    """Dequantize a GGUF and save it as a safetensors HF folder, with the file's own
+    quantized blocks repacked beside it (`gguf_blocks.save_blocks`).
+
+    transformers reads the file (and the weights are saved as bfloat16), except for the
+    architectures `gguf_model` reads itself (those transformers cannot read or reads wrong).
 
     Args:
         gguf: the GGUF file.
@@ -261,11 +266,28 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
     Raises:
         ModelLoadError: transformers cannot read the file, or left weights quantized.
     """
+    import gguf as gguf_py
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    from ringserve.engine.loading import gguf_model
+
     steps = tqdm(total=4, desc=f"{label}: dequantizing weights", unit="step", leave=True)
+    reader_name = "gguf-py"  # until the file parses
     try:
+        ours = gguf_model.reads(gguf_py.GGUFReader(str(gguf)))
+        reader_name = "ringserve's GGUF reader" if ours else "transformers"
+        if ours:
+            # NOTE: an architecture transformers cannot read from GGUF (or reads wrongly)
+            with steps:
+                gguf_model.convert(gguf, out)
+                steps.update(3)
+                steps.set_description_str(f"{label}: repacking its quantized blocks")
+                saved = gguf_blocks.save_blocks(gguf, out)
+                _match_modes(out)
+                steps.update()
+            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
+            return
         with steps:
             # NOTE: dequantize=True: transformers 5 keeps some architectures' weights packed
             # in GGUF blocks otherwise, and packed weights cannot be saved.
@@ -303,4 +325,4 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
     except ModelLoadError:
         raise
     except Exception as err:  # transformers raises many kinds for a file it cannot read
-        raise ModelLoadError(f"transformers could not convert {gguf}: {err}") from err
+        raise ModelLoadError(f"{reader_name} could not convert {gguf}: {err}") from err

@@ -250,8 +250,10 @@ def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str]) -> dict[str
     found: dict[str, str] = {}
     for name in names:
         mapped = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if mapped == "output.weight" and mapped not in present:
-            mapped = "token_embd.weight"
+        if (name == "lm_head.weight" or mapped == "output.weight") and mapped not in present:
+            mapped = "token_embd.weight"  # tied (gguf-py may know no output tensor at all)
+        if mapped is not None and mapped not in present and f"{mapped}.weight" in present:
+            mapped += ".weight"  # a parameter with no suffix (gpt-oss's `sinks`)
         if mapped is None or mapped not in present:
             raise KeyError(f"{name}: no tensor in the GGUF file (mapped to {mapped})")
         found[name] = mapped
@@ -349,7 +351,8 @@ def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str
     for file in weight_files(Path(folder)):
         with safe_open(str(file), framework="pt") as handle:
             names += [n for n in handle.keys()  # noqa: SIM118 (a safe_open handle)
-                      if len(handle.get_slice(n).get_shape()) == 2]  # fmt: skip
+                      if n.endswith(".weight")
+                      and len(handle.get_slice(n).get_shape()) == 2]  # fmt: skip
     if "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
         names.append("lm_head.weight")  # tied: the head reads the embedding's blocks
     weights = read_linears(gguf_file, names)

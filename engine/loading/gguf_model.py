@@ -1,0 +1,266 @@
+"""Our own GGUF reader for the sliding-window families transformers cannot read from GGUF.
+
+transformers (the version we pin) reads no GGUF of `olmo2` (OLMo 2 and 3), `exaone4` or
+`cohere2`, fails on `gpt-oss` and Gemma 4 files, and reads Gemma 2 files without their
+soft-caps or `query_pre_attn_scalar` (its mapping drops them). This module turns such a file
+into a Hugging Face folder itself: the config from the file's metadata, the weights by
+gguf-py's tensor name map (`gguf_blocks.gguf_tensor_names`), the tokenizer with
+transformers' own GGUF tokenizer builder (which reads any architecture).
+
+A GGUF file does not say everything a config.json says. What it leaves out, llama.cpp (the
+runtime these files are made for) fills in per architecture when it loads them, and so do we,
+with the same values (`Arch` below, one entry per architecture):
+
+- which layers slide: the file's `attention.sliding_window_pattern` (one flag per layer)
+  where it has one; else llama.cpp's period for the architecture: every `period`-th layer
+  (1-based) is full, the others slide (Gemma 2 and gpt-oss: 2; OLMo 3, EXAONE 4 and
+  Cohere 2: 4);
+- the rotary base of the sliding layers: `rope.freq_base_swa` where present, else the full
+  layers' base;
+- Gemma 2's query scale: `head_dim`, except the 46-layer 27B whose scale is
+  `hidden / heads`, as llama.cpp (and Gemma's reference code) have it;
+- gpt-oss's SwiGLU clamp (7.0) and its un-truncated YaRN, the released checkpoints' values.
+
+Tensors undo what llama.cpp's converter did to them: Gemma's norm weights were stored with
+the `1 +` of its RMSNorm folded in (we subtract 1 again, in float32, as transformers does for
+Gemma 3 files), gpt-oss's expert gate and up projections were split out of the interleaved
+`gate_up_proj` (we interleave them back). Float tensors keep their type (F32 stays float32,
+F16 float16, BF16 bfloat16); quantized ones are dequantized by gguf-py and saved as bfloat16,
+with their blocks repacked beside them for `--quantization gguf` (`gguf_blocks.save_blocks`).
+Checked by `tests/test_gguf_families.py`: tiny random checkpoints converted to GGUF by
+llama.cpp's own `convert_hf_to_gguf.py`, read back here, token-exact with transformers on the
+original folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.gguf_blocks import gguf_tensor_names
+
+__all__ = ["ARCHS", "convert", "hf_config", "reads"]
+
+Fields = dict[str, Any]  # the file's metadata, `arch.` prefix removed from its own keys
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one GGUF architecture needs beyond the metadata every architecture shares."""
+
+    config_class: str  # transformers' config class
+    period: int | None  # llama.cpp's sliding pattern without one in the file (None: no SWA)
+    norm_shift: float = 0.0  # added to `*norm.weight` by the converter (Gemma's `1 +`)
+    extra: Callable[[Fields, int], dict[str, Any]] = field(default=lambda _f, _n: {})
+
+
+def _gemma2(f: Fields, layers: int) -> dict[str, Any]:
+    head_dim = int(f["attention.key_length"])
+    scalar = f["embedding_length"] // f["attention.head_count"] if layers == 46 else head_dim
+    return dict(head_dim=head_dim, query_pre_attn_scalar=scalar,
+                attn_logit_softcapping=f.get("attn_logit_softcapping"),
+                final_logit_softcapping=f.get("final_logit_softcapping"))
+
+
+def _cohere2(f: Fields, _layers: int) -> dict[str, Any]:
+    head_dim = f["embedding_length"] // f["attention.head_count"]
+    if int(f.get("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError("cohere2 GGUF: partial rotary (rope.dimension_count "
+                             f"{f['rope.dimension_count']} of {head_dim}) is not supported")
+    return dict(layer_norm_eps=f["attention.layer_norm_epsilon"],
+                logit_scale=f.get("logit_scale", 1.0))
+
+
+def _gpt_oss(f: Fields, _layers: int) -> dict[str, Any]:
+    return dict(head_dim=int(f["attention.key_length"]), num_local_experts=f["expert_count"],
+                num_experts_per_tok=f["expert_used_count"],
+                intermediate_size=f["expert_feed_forward_length"], swiglu_limit=7.0)
+
+
+ARCHS: dict[str, Arch] = {
+    "gemma2": Arch("Gemma2Config", period=2, norm_shift=1.0, extra=_gemma2),
+    "olmo2": Arch("Olmo3Config", period=4),
+    "exaone4": Arch("Exaone4Config", period=4),
+    "cohere2": Arch("Cohere2Config", period=4, extra=_cohere2),
+    "gpt-oss": Arch("GptOssConfig", period=2, extra=_gpt_oss),
+}
+
+
+def reads(reader: gguf.GGUFReader) -> bool:
+    """Whether this module (rather than transformers) reads the file."""
+    return str(reader.fields["general.architecture"].contents()) in ARCHS
+
+
+def _fields(reader: gguf.GGUFReader, arch: str) -> Fields:
+    out: Fields = {}
+    for key, value in reader.fields.items():
+        if key.startswith(f"{arch}."):
+            out[key.removeprefix(f"{arch}.")] = value.contents()
+        elif key.startswith(("general.", "tokenizer.ggml.")) and not key.endswith(
+                ("tokens", "merges", "token_type", "scores")):
+            out[key] = value.contents()
+    return out
+
+
+def _rope(f: Fields, theta: float) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = f.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return rope
+    if kind == "yarn":
+        rope.update(rope_type="yarn", factor=float(f["rope.scaling.factor"]),
+                    original_max_position_embeddings=int(
+                        f["rope.scaling.original_context_length"]),
+                    beta_fast=float(f.get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(f.get("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        return rope
+    if kind == "linear":
+        return rope | {"rope_type": "linear", "factor": float(f["rope.scaling.factor"])}
+    raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported for this architecture")
+
+
+def hf_config(reader: gguf.GGUFReader) -> Any:
+    """The transformers config of a file this module reads (`reads`)."""
+    import transformers
+
+    arch_name = str(reader.fields["general.architecture"].contents())
+    arch = ARCHS[arch_name]
+    f = _fields(reader, arch_name)
+    layers = int(f["block_count"])
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    window = int(f.get("attention.sliding_window", 0) or 0)
+    pattern = f.get("attention.sliding_window_pattern")
+    if window <= 0 or arch.period is None:
+        slides = [False] * layers
+    elif isinstance(pattern, list):
+        slides = [bool(p) for p in pattern]
+    else:
+        period = int(pattern) if pattern is not None else arch.period
+        slides = [(i + 1) % period != 0 for i in range(layers)]
+    if len(slides) != layers:
+        raise ModelLoadError(f"GGUF sliding_window_pattern has {len(slides)} flags for "
+                             f"{layers} layers")
+    theta = float(f.get("rope.freq_base", 10000.0))
+    theta_swa = float(f.get("rope.freq_base_swa", theta))
+    rope = _rope(f, theta)
+    rope_parameters: dict[str, Any] = rope
+    if theta_swa != theta:
+        rope_parameters = {"full_attention": rope,
+                           "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa}}
+    heads = int(f["attention.head_count"])
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=int(f["embedding_length"]), num_hidden_layers=layers,
+        intermediate_size=int(f["feed_forward_length"]), num_attention_heads=heads,
+        num_key_value_heads=int(f.get("attention.head_count_kv", heads)),
+        max_position_embeddings=int(f["context_length"]),
+        sliding_window=window if any(slides) else None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in slides],
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+    )
+    if "attention.layer_norm_rms_epsilon" in f:
+        kwargs["rms_norm_eps"] = float(f["attention.layer_norm_rms_epsilon"])
+    kwargs.update(arch.extra(f, layers))
+    config = getattr(transformers, arch.config_class)(**kwargs)
+    config.architectures = [arch.config_class.removesuffix("Config") + "ForCausalLM"]
+    return config
+
+
+def _tensor(reader_tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A tensor of the file as torch, in numpy's (outermost-first) order, dequantized."""
+    kind = reader_tensor.tensor_type
+    data = np.asarray(reader_tensor.data)
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return torch.from_numpy(data.copy())
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(data.copy()).view(torch.bfloat16)
+    return torch.from_numpy(gguf.quants.dequantize(data, kind)).to(torch.bfloat16)
+
+
+def _expert_tensor(tensors: dict[str, gguf.ReaderTensor], name: str) -> torch.Tensor:
+    """gpt-oss's experts as transformers holds them: [E, in, out], with the gate and up
+    projections interleaved along `out` (llama.cpp's converter split them apart)."""
+    block, part = name.split(".")[2], name.rsplit(".", 1)[-1]
+
+    def read(kind: str, bias: bool) -> torch.Tensor:
+        return _tensor(tensors[f"blk.{block}.ffn_{kind}_exps.{'bias' if bias else 'weight'}"])
+
+    if part in ("gate_up_proj", "gate_up_proj_bias"):
+        bias = part.endswith("bias")
+        gate, up = read("gate", bias), read("up", bias)
+        if not bias:
+            gate, up = gate.transpose(-1, -2), up.transpose(-1, -2)
+        return torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
+    if part == "down_proj":
+        return read("down", False).transpose(-1, -2).contiguous()
+    if part == "down_proj_bias":
+        return read("down", True)
+    raise ModelLoadError(f"{name}: no GGUF expert tensor for it")
+
+
+def _state_dict(reader: gguf.GGUFReader, config: Any) -> dict[str, torch.Tensor]:
+    """The weights under transformers' names and shapes for ``config``."""
+    import transformers
+
+    arch = ARCHS[str(reader.fields["general.architecture"].contents())]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    tensors = {t.name: t for t in reader.tensors}
+    out: dict[str, torch.Tensor] = {}
+    experts = [n for n in expected if ".mlp.experts." in n]
+    plain = [n for n in expected if n not in experts]
+    for name, gguf_name in gguf_tensor_names(reader, plain).items():
+        value = _tensor(tensors[gguf_name])
+        if arch.norm_shift and name.endswith("norm.weight"):
+            value = (value.float() - arch.norm_shift).to(value.dtype)
+        out[name] = value
+    for name in experts:
+        out[name] = _expert_tensor(tensors, name)
+    for name, value in out.items():
+        if tuple(value.shape) != expected[name]:
+            raise ModelLoadError(f"{name}: the GGUF tensor is {list(value.shape)}, the "
+                                 f"config wants {list(expected[name])}")
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ModelLoadError(f"the GGUF file has no tensor for {missing[:3]}")
+    return out
+
+
+def convert(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """Write the Hugging Face folder of a file this module reads: config.json, the weights
+    as one safetensors file, the tokenizer files."""
+    from safetensors.torch import save_file
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(gguf_file)
+    reader = gguf.GGUFReader(os.fspath(path))
+    config = hf_config(reader)
+    weights = _state_dict(reader, config)
+    floats = [t.dtype for t in weights.values() if t.dim() == 2]
+    config.dtype = max(set(floats), key=floats.count) if floats else torch.bfloat16
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file({n: t.contiguous() for n, t in weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(folder)
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n",
+                                                   encoding="utf-8")

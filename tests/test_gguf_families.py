@@ -1,0 +1,182 @@
+"""GGUF files of the sliding-window families, made by llama.cpp, served exactly.
+
+For each family transformers cannot read from GGUF (`engine.loading.gguf_model`), a tiny
+random checkpoint goes through llama.cpp's own `convert_hf_to_gguf.py`
+(`tests.llamacpp_convert`) and comes back through `resolve_model`, as a user's
+`ringserve serve --model FILE.gguf` reads it. The reference is transformers on the original
+folder, never the converted one:
+
+- the converted config says what the original says (windows, which layers slide, rotary,
+  soft-caps, scales, experts);
+- the tokenizer splits text as the original does;
+- greedy output from an F32 file is token-exact with transformers float32 for 10 windows,
+  prompts longer than the ring, chunked prefill, a batch, prefix caching; no read misses;
+- a Q8_0 file served from its own blocks (`--quantization gguf`) stays within the accuracy
+  bounds of `tests/test_accuracy.py` against float32;
+- gpt-oss's MXFP4 experts, as released files hold them, read as transformers reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import gguf
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoConfig, AutoTokenizer
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
+from ringserve.engine import SamplingParams
+from ringserve.engine.loading.convert import resolve_model
+from ringserve.engine.loading.mxfp4 import quantize_mxfp4
+from ringserve.engine.models.quant_linear import QuantLinear
+from tests import llamacpp_convert
+from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
+from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
+from tests.tiny_models import CORPUS, B, W, hf_reference, make_checkpoint, make_llm, random_tokens
+
+# What a GGUF file cannot carry is fixed by llama.cpp per architecture, so the tiny
+# checkpoints take those values: gpt-oss's SwiGLU clamp (no GGUF field: 7.0, the released
+# models'); Cohere 2's `rotary_pct`, which the converter requires.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma2": {}, "olmo3": {}, "exaone4": {}, "cohere2": {"rotary_pct": 1.0},
+    "gpt_oss": {"swiglu_limit": 7.0},
+}
+CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "sliding_window",
+                 "layer_types", "rope_parameters", "tie_word_embeddings",
+                 "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                 "logit_scale", "num_local_experts", "num_experts_per_tok", "swiglu_limit",
+                 "rms_norm_eps", "layer_norm_eps", "bos_token_id")
+NEW = 10 * W
+
+
+def _prompts() -> list[list[int]]:
+    prefix = random_tokens(9, seed=6)
+    return [random_tokens(2 * W + 3, seed=7), prefix + random_tokens(4, seed=8),
+            prefix + random_tokens(3 * W, seed=10), random_tokens(3 * W + 1, seed=9)]
+
+
+def _convert(family: str, root: pathlib.Path, outtype: str,
+             overrides: dict[str, Any] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the original folder, the folder `resolve_model` makes of llama.cpp's GGUF of it)."""
+    folder = make_checkpoint(family, root, overrides={**FAMILIES[family], **(overrides or {})})
+    gguf = llamacpp_convert.convert(folder, root / f"{family}-{outtype}.gguf", outtype)
+    return folder, resolve_model(gguf, cache_dir=root / "cache").path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def f32(request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[str, pathlib.Path, pathlib.Path]:
+    family = request.param
+    folder, converted = _convert(family, tmp_path_factory.mktemp("gguf"), "f32")
+    return family, folder, converted
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-6 * max(1.0, abs(a))  # GGUF keeps float32
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def test_the_config_says_what_the_checkpoint_says(
+        f32: tuple[str, pathlib.Path, pathlib.Path]) -> None:
+    _family, folder, converted = f32
+    want, got = AutoConfig.from_pretrained(folder), AutoConfig.from_pretrained(converted)
+    assert got.model_type == want.model_type
+    assert "sliding_attention" in want.layer_types  # the test means something
+    for name in CONFIG_FIELDS:
+        if hasattr(want, name):
+            assert _close(getattr(got, name), getattr(want, name)), (
+                name, getattr(got, name), getattr(want, name))
+
+
+def test_the_tokenizer_splits_text_as_the_original(
+        f32: tuple[str, pathlib.Path, pathlib.Path]) -> None:
+    _family, folder, converted = f32
+    want, got = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(converted)
+    for text in [*CORPUS, " leading space and  two"]:
+        assert got(text)["input_ids"] == want(text)["input_ids"]
+        assert got.decode(got(text)["input_ids"]) == want.decode(want(text)["input_ids"])
+    assert (got.bos_token, got.eos_token) == (want.bos_token, want.eos_token)
+
+
+def test_greedy_output_is_token_exact(f32: tuple[str, pathlib.Path, pathlib.Path]) -> None:
+    _family, folder, converted = f32
+    reference = hf_reference(folder)
+    expected = []
+    with torch.no_grad():
+        for prompt in _prompts():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                     min_new_tokens=NEW, do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+    llm = make_llm(converted, block_size=4)  # w = 6: the ring does not end on a block edge
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for _round in range(2):  # the second round reads the first one's cached prefixes
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    stats = llm.stats()
+    assert stats["kv_read_misses"] == 0 and stats["prefix_cache_hits"] > 0
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "olmo3"])
+def test_q8_0_blocks_stay_within_the_accuracy_bounds(family: str,
+                                                     tmp_path: pathlib.Path) -> None:
+    # (gpt-oss at its real weight scale, as in tests/test_accuracy.py)
+    folder, converted = _convert(family, tmp_path, "q8_0", OVERRIDES.get(family))
+    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
+    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
+    ref = variant_logits(folder, fp32, ids, CHUNK, B)[:-1]
+    blocks = Variant("gguf", {"dtype": "bfloat16", "quantization": "gguf",
+                              "kv_cache_memory": "16MiB"})
+    model, kv_dtype = served_model(converted, blocks, len(ids) + 1, B)
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert quantized and all(m.bits == 8 and m.group == 32 for m in quantized)  # Q8_0's own
+    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
+    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
+    assert within_bounds(a), a
+
+
+def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
+        tmp_path: pathlib.Path) -> None:
+    """gpt-oss as released: experts in MXFP4. Our tiny one with its experts quantised to MXFP4
+    blocks and scales (`quantize_mxfp4`), converted by llama.cpp (which writes them as GGUF
+    MXFP4 tensors), read back here: the logits equal transformers' on the same weights
+    dequantised by its own `convert_moe_packed_tensors` (MXFP4 values hold in bfloat16)."""
+    folder = make_checkpoint("gpt_oss", tmp_path, overrides=FAMILIES["gpt_oss"])
+    (file,) = folder.glob("*.safetensors")
+    original = safetensors.torch.load_file(str(file))
+    packed: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in original.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[name] = plain[name] = tensor
+    safetensors.torch.save_file(plain, str(file), metadata={"format": "pt"})  # the reference
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(folder, mxfp4)
+    safetensors.torch.save_file(packed, str(mxfp4 / file.name), metadata={"format": "pt"})
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    gguf_path = llamacpp_convert.convert(mxfp4, tmp_path / "mxfp4.gguf", "f32")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors
+             if "_exps.weight" in t.name}
+    assert kinds == {"MXFP4"}
+    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    ids = random_tokens(6 * W, seed=4)
+    with torch.no_grad():
+        expected = hf_reference(folder)(torch.tensor([ids])).logits[0]
+    got = RingHarness(load_ours(str(converted)), B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
