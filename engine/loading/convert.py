@@ -8,7 +8,8 @@ local folder, converting presets and GGUF files once into the cache folder
 transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
 tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
 plain safetensors in seconds instead of converting for a minute. The sliding-window
-architectures transformers cannot read from GGUF (gemma2, olmo2, exaone4, cohere2, gpt-oss)
+architectures transformers cannot read from GGUF (gemma2, gemma4, olmo2, exaone4, cohere2,
+gpt-oss)
 are read by `gguf_model` instead. Beside it goes the file's
 own quantized blocks, repacked into our layout (`gguf_blocks.BLOCKS_FILE`), which
 `--quantization gguf` (the default for these models on a CPU) serves.

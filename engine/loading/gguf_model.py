@@ -1,7 +1,7 @@
 """Our own GGUF reader for the sliding-window families transformers cannot read from GGUF.
 
 transformers (the version we pin) reads no GGUF of `olmo2` (OLMo 2 and 3), `exaone4` or
-`cohere2`, fails on `gpt-oss` and Gemma 4 files, and reads Gemma 2 files without their
+`cohere2`, fails on `gpt-oss` and `gemma4` files, and reads Gemma 2 files without their
 soft-caps or `query_pre_attn_scalar` (its mapping drops them). This module turns such a file
 into a Hugging Face folder itself: the config from the file's metadata, the weights by
 gguf-py's tensor name map (`gguf_blocks.gguf_tensor_names`), the tokenizer with
@@ -19,7 +19,8 @@ with the same values (`Arch` below, one entry per architecture):
   layers' base;
 - Gemma 2's query scale: `head_dim`, except the 46-layer 27B whose scale is
   `hidden / heads`, as llama.cpp (and Gemma's reference code) have it;
-- gpt-oss's SwiGLU clamp (7.0) and its un-truncated YaRN, the released checkpoints' values.
+- gpt-oss's SwiGLU clamp (7.0) and its un-truncated YaRN, the released checkpoints' values;
+- Gemma 4's full-layer rotary fraction, which the converter writes as frequency factors.
 
 Tensors undo what llama.cpp's converter did to them: Gemma's norm weights were stored with
 the `1 +` of its RMSNorm folded in (we subtract 1 again, in float32, as transformers does for
@@ -51,6 +52,7 @@ from ringserve.engine.loading.gguf_blocks import gguf_tensor_names
 __all__ = ["ARCHS", "convert", "hf_config", "reads"]
 
 Fields = dict[str, Any]  # the file's metadata, `arch.` prefix removed from its own keys
+Tensors = dict[str, gguf.ReaderTensor]  # the file's tensors by GGUF name
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,49 @@ class Arch:
     config_class: str  # transformers' config class
     period: int | None  # llama.cpp's sliding pattern without one in the file (None: no SWA)
     norm_shift: float = 0.0  # added to `*norm.weight` by the converter (Gemma's `1 +`)
-    extra: Callable[[Fields, int], dict[str, Any]] = field(default=lambda _f, _n: {})
+    # config fields of this architecture: (metadata, layers, tensors) -> kwargs
+    extra: Callable[[Fields, int, Tensors], dict[str, Any]] = field(
+        default=lambda _f, _n, _t: {})
+    # tensors the name map does not find: (tensors, transformers name) -> tensor, or None
+    special: Callable[[Tensors, str], torch.Tensor | None] = field(
+        default=lambda _t, _n: None)
 
 
-def _gemma2(f: Fields, layers: int) -> dict[str, Any]:
+def _tensor(reader_tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A tensor of the file as torch, in numpy's (outermost-first) order, dequantized."""
+    kind = reader_tensor.tensor_type
+    data = np.asarray(reader_tensor.data)
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return torch.from_numpy(data.copy())
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(data.copy()).view(torch.bfloat16)
+    return torch.from_numpy(gguf.quants.dequantize(data, kind)).to(torch.bfloat16)
+
+
+def _expert_tensor(tensors: Tensors, name: str) -> torch.Tensor | None:
+    """gpt-oss's experts as transformers holds them: [E, in, out], with the gate and up
+    projections interleaved along `out` (llama.cpp's converter split them apart)."""
+    if ".mlp.experts." not in name:
+        return None
+    block, part = name.split(".")[2], name.rsplit(".", 1)[-1]
+
+    def read(kind: str, bias: bool) -> torch.Tensor:
+        return _tensor(tensors[f"blk.{block}.ffn_{kind}_exps.{'bias' if bias else 'weight'}"])
+
+    if part in ("gate_up_proj", "gate_up_proj_bias"):
+        bias = part.endswith("bias")
+        gate, up = read("gate", bias), read("up", bias)
+        if not bias:
+            gate, up = gate.transpose(-1, -2), up.transpose(-1, -2)
+        return torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
+    if part == "down_proj":
+        return read("down", False).transpose(-1, -2).contiguous()
+    if part == "down_proj_bias":
+        return read("down", True)
+    return None
+
+
+def _gemma2(f: Fields, layers: int, _t: Tensors) -> dict[str, Any]:
     head_dim = int(f["attention.key_length"])
     scalar = f["embedding_length"] // f["attention.head_count"] if layers == 46 else head_dim
     return dict(head_dim=head_dim, query_pre_attn_scalar=scalar,
@@ -71,7 +112,7 @@ def _gemma2(f: Fields, layers: int) -> dict[str, Any]:
                 final_logit_softcapping=f.get("final_logit_softcapping"))
 
 
-def _cohere2(f: Fields, _layers: int) -> dict[str, Any]:
+def _cohere2(f: Fields, _layers: int, _t: Tensors) -> dict[str, Any]:
     head_dim = f["embedding_length"] // f["attention.head_count"]
     if int(f.get("rope.dimension_count", head_dim)) != head_dim:
         raise ModelLoadError("cohere2 GGUF: partial rotary (rope.dimension_count "
@@ -80,10 +121,64 @@ def _cohere2(f: Fields, _layers: int) -> dict[str, Any]:
                 logit_scale=f.get("logit_scale", 1.0))
 
 
-def _gpt_oss(f: Fields, _layers: int) -> dict[str, Any]:
+def _gpt_oss(f: Fields, _layers: int, _t: Tensors) -> dict[str, Any]:
     return dict(head_dim=int(f["attention.key_length"]), num_local_experts=f["expert_count"],
                 num_experts_per_tok=f["expert_used_count"],
                 intermediate_size=f["expert_feed_forward_length"], swiglu_limit=7.0)
+
+
+def _gemma4(f: Fields, layers: int, tensors: Tensors) -> dict[str, Any]:
+    """Gemma 4: two head sizes and KV-head counts, KV shared by the last layers, values equal
+    to keys on full layers (no `attn_v` there), per-layer inputs, double-wide MLPs, and the
+    full layers' proportional rotary (llama.cpp writes it as frequency factors: 1 for the
+    rotated pairs, 1e30 for the others)."""
+    slides = [bool(p) for p in f["attention.sliding_window_pattern"]]
+    shared = int(f.get("attention.shared_kv_layers", 0))
+    full = [i for i in range(layers - shared) if not slides[i]]
+    kv_heads = f["attention.head_count_kv"]
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    ff = f["feed_forward_length"]
+    ff = ff if isinstance(ff, list) else [ff] * layers
+    head_dim, global_head_dim = int(f["attention.key_length_swa"]), int(f["attention.key_length"])
+    factors = _tensor(tensors["rope_freqs.weight"]).float()
+    rotated = int((factors == 1.0).sum())
+    swa_rot = int(f.get("rope.dimension_count_swa", head_dim))
+    sliding_rope: dict[str, Any] = {"rope_type": "default",
+                                    "rope_theta": float(f.get("rope.freq_base_swa", 10000.0))}
+    if swa_rot != head_dim:
+        sliding_rope["partial_rotary_factor"] = swa_rot / head_dim
+    experts = int(f.get("expert_count", 0) or 0)
+    per_layer = int(f.get("embedding_length_per_layer_input", 0) or 0)
+    kwargs: dict[str, Any] = dict(
+        head_dim=head_dim, global_head_dim=global_head_dim,
+        num_key_value_heads=int(kv_heads[slides.index(True)]),
+        num_global_key_value_heads=int(kv_heads[full[0]]) if full else None,
+        attention_k_eq_v=bool(full) and all(f"blk.{i}.attn_v.weight" not in tensors
+                                            for i in full),
+        num_kv_shared_layers=shared, intermediate_size=int(ff[0]),
+        use_double_wide_mlp=any(int(n) == 2 * int(ff[0]) for n in ff[layers - shared:]),
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[1]
+                                       if per_layer else tensors["token_embd.weight"].shape[1]),
+        final_logit_softcapping=f.get("final_logit_softcapping"),
+        rope_parameters={"sliding_attention": sliding_rope, "full_attention": {
+            "rope_type": "proportional", "rope_theta": float(f.get("rope.freq_base", 1e6)),
+            "partial_rotary_factor": 2 * rotated / global_head_dim}},
+    )
+    if experts:
+        kwargs.update(enable_moe_block=True, num_experts=experts,
+                      top_k_experts=int(f["expert_used_count"]),
+                      moe_intermediate_size=int(f["expert_feed_forward_length"]))
+    return kwargs
+
+
+def _gemma4_special(tensors: Tensors, name: str) -> torch.Tensor | None:
+    block = name.split(".")[2] if ".layers." in name else ""
+    if name.endswith("router.scale"):
+        return _tensor(tensors[f"blk.{block}.ffn_gate_inp.scale"])
+    if name.endswith("router.per_expert_scale"):
+        return _tensor(tensors[f"blk.{block}.ffn_down_exps.scale"])
+    return None
 
 
 ARCHS: dict[str, Arch] = {
@@ -91,7 +186,8 @@ ARCHS: dict[str, Arch] = {
     "olmo2": Arch("Olmo3Config", period=4),
     "exaone4": Arch("Exaone4Config", period=4),
     "cohere2": Arch("Cohere2Config", period=4, extra=_cohere2),
-    "gpt-oss": Arch("GptOssConfig", period=2, extra=_gpt_oss),
+    "gpt-oss": Arch("GptOssConfig", period=2, extra=_gpt_oss, special=_expert_tensor),
+    "gemma4": Arch("Gemma4TextConfig", period=6, extra=_gemma4, special=_gemma4_special),
 }
 
 
@@ -128,6 +224,12 @@ def _rope(f: Fields, theta: float) -> dict[str, Any]:
     raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported for this architecture")
 
 
+def _first(value: Any) -> int:
+    """A per-layer array's first entry, or the scalar (an architecture's `extra` decides
+    what the others mean)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def hf_config(reader: gguf.GGUFReader) -> Any:
     """The transformers config of a file this module reads (`reads`)."""
     import transformers
@@ -160,8 +262,8 @@ def hf_config(reader: gguf.GGUFReader) -> Any:
     heads = int(f["attention.head_count"])
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=int(f["embedding_length"]), num_hidden_layers=layers,
-        intermediate_size=int(f["feed_forward_length"]), num_attention_heads=heads,
-        num_key_value_heads=int(f.get("attention.head_count_kv", heads)),
+        intermediate_size=_first(f["feed_forward_length"]), num_attention_heads=heads,
+        num_key_value_heads=_first(f.get("attention.head_count_kv", heads)),
         max_position_embeddings=int(f["context_length"]),
         sliding_window=window if any(slides) else None,
         layer_types=["sliding_attention" if s else "full_attention" for s in slides],
@@ -173,42 +275,10 @@ def hf_config(reader: gguf.GGUFReader) -> Any:
     )
     if "attention.layer_norm_rms_epsilon" in f:
         kwargs["rms_norm_eps"] = float(f["attention.layer_norm_rms_epsilon"])
-    kwargs.update(arch.extra(f, layers))
+    kwargs.update(arch.extra(f, layers, tensors))
     config = getattr(transformers, arch.config_class)(**kwargs)
     config.architectures = [arch.config_class.removesuffix("Config") + "ForCausalLM"]
     return config
-
-
-def _tensor(reader_tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """A tensor of the file as torch, in numpy's (outermost-first) order, dequantized."""
-    kind = reader_tensor.tensor_type
-    data = np.asarray(reader_tensor.data)
-    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return torch.from_numpy(data.copy())
-    if kind == gguf.GGMLQuantizationType.BF16:
-        return torch.from_numpy(data.copy()).view(torch.bfloat16)
-    return torch.from_numpy(gguf.quants.dequantize(data, kind)).to(torch.bfloat16)
-
-
-def _expert_tensor(tensors: dict[str, gguf.ReaderTensor], name: str) -> torch.Tensor:
-    """gpt-oss's experts as transformers holds them: [E, in, out], with the gate and up
-    projections interleaved along `out` (llama.cpp's converter split them apart)."""
-    block, part = name.split(".")[2], name.rsplit(".", 1)[-1]
-
-    def read(kind: str, bias: bool) -> torch.Tensor:
-        return _tensor(tensors[f"blk.{block}.ffn_{kind}_exps.{'bias' if bias else 'weight'}"])
-
-    if part in ("gate_up_proj", "gate_up_proj_bias"):
-        bias = part.endswith("bias")
-        gate, up = read("gate", bias), read("up", bias)
-        if not bias:
-            gate, up = gate.transpose(-1, -2), up.transpose(-1, -2)
-        return torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
-    if part == "down_proj":
-        return read("down", False).transpose(-1, -2).contiguous()
-    if part == "down_proj_bias":
-        return read("down", True)
-    raise ModelLoadError(f"{name}: no GGUF expert tensor for it")
 
 
 def _state_dict(reader: gguf.GGUFReader, config: Any) -> dict[str, torch.Tensor]:
@@ -223,15 +293,16 @@ def _state_dict(reader: gguf.GGUFReader, config: Any) -> dict[str, torch.Tensor]
         expected.pop("lm_head.weight", None)
     tensors = {t.name: t for t in reader.tensors}
     out: dict[str, torch.Tensor] = {}
-    experts = [n for n in expected if ".mlp.experts." in n]
-    plain = [n for n in expected if n not in experts]
+    for name in expected:
+        special = arch.special(tensors, name)
+        if special is not None:
+            out[name] = special
+    plain = [n for n in expected if n not in out]
     for name, gguf_name in gguf_tensor_names(reader, plain).items():
         value = _tensor(tensors[gguf_name])
         if arch.norm_shift and name.endswith("norm.weight"):
             value = (value.float() - arch.norm_shift).to(value.dtype)
-        out[name] = value
-    for name in experts:
-        out[name] = _expert_tensor(tensors, name)
+        out[name] = value.reshape(expected[name]) if value.numel() == 1 else value
     for name, value in out.items():
         if tuple(value.shape) != expected[name]:
             raise ModelLoadError(f"{name}: the GGUF tensor is {list(value.shape)}, the "
