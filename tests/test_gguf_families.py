@@ -40,12 +40,26 @@ from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
 from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
 from tests.tiny_models import CORPUS, B, W, hf_reference, make_checkpoint, make_llm, random_tokens
 
-# What a GGUF file cannot carry is fixed by llama.cpp per architecture, so the tiny
-# checkpoints take those values: gpt-oss's SwiGLU clamp (no GGUF field: 7.0, the released
-# models'); Cohere 2's `rotary_pct`, which the converter requires.
-FAMILIES: dict[str, dict[str, Any]] = {
-    "gemma2": {}, "olmo3": {}, "exaone4": {}, "cohere2": {"rotary_pct": 1.0},
-    "gpt_oss": {"swiglu_limit": 7.0}, "gemma4_text": {}, "gemma4_moe": {},
+# case: (family, config overrides). What a GGUF file cannot carry is fixed by llama.cpp per
+# architecture, so the tiny checkpoints take those values: gpt-oss's SwiGLU clamp (no GGUF
+# field: 7.0, the released models'); Cohere 2's `rotary_pct`, which the converter requires.
+# Two more carry rotary scalings: EXAONE 4.0 32B's llama3 (which the converter stores as
+# per-pair factors only) and OLMo 3's YaRN with its attention factor, on its full layers only
+# (one rotary base for both kinds, so only llama.cpp's rule for OLMo says which).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": ("gemma2", {}), "olmo3": ("olmo3", {}), "exaone4": ("exaone4", {}),
+    "cohere2": ("cohere2", {"rotary_pct": 1.0}),
+    "gpt_oss": ("gpt_oss", {"swiglu_limit": 7.0}),
+    "gemma4_text": ("gemma4_text", {}), "gemma4_moe": ("gemma4_moe", {}),
+    "exaone4_llama3": ("exaone4", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0}}),
+    "olmo3_yarn": ("olmo3", {"max_position_embeddings": 64, "initializer_range": 0.15,
+                             "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2,
+                           "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "rope_theta": 10000.0}}}),
 }
 CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size", "sliding_window",
@@ -66,15 +80,16 @@ def _prompts() -> list[list[int]]:
             prefix + random_tokens(3 * W, seed=10), random_tokens(3 * W + 1, seed=9)]
 
 
-def _convert(family: str, root: pathlib.Path, outtype: str,
+def _convert(case: str, root: pathlib.Path, outtype: str,
              overrides: dict[str, Any] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """(the original folder, the folder `resolve_model` makes of llama.cpp's GGUF of it)."""
-    folder = make_checkpoint(family, root, overrides={**FAMILIES[family], **(overrides or {})})
-    gguf = llamacpp_convert.convert(folder, root / f"{family}-{outtype}.gguf", outtype)
+    family, own = CASES[case]
+    folder = make_checkpoint(family, root, overrides={**own, **(overrides or {})})
+    gguf = llamacpp_convert.convert(folder, root / f"{case}-{outtype}.gguf", outtype)
     return folder, resolve_model(gguf, cache_dir=root / "cache").path
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(CASES))
 def f32(request: pytest.FixtureRequest,
         tmp_path_factory: pytest.TempPathFactory) -> tuple[str, pathlib.Path, pathlib.Path]:
     family = request.param
@@ -136,7 +151,7 @@ def test_greedy_output_is_token_exact(f32: tuple[str, pathlib.Path, pathlib.Path
 def test_q8_0_blocks_stay_within_the_accuracy_bounds(family: str,
                                                      tmp_path: pathlib.Path) -> None:
     # (gpt-oss at its real weight scale, as in tests/test_accuracy.py)
-    folder, converted = _convert(family, tmp_path, "q8_0", OVERRIDES.get(family))
+    folder, converted = _convert(family, tmp_path, "q8_0", OVERRIDES.get(family))  # family=case
     ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
     fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
     ref = variant_logits(folder, fp32, ids, CHUNK, B)[:-1]
@@ -156,7 +171,7 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     blocks and scales (`quantize_mxfp4`), converted by llama.cpp (which writes them as GGUF
     MXFP4 tensors), read back here: the logits equal transformers' on the same weights
     dequantised by its own `convert_moe_packed_tensors` (MXFP4 values hold in bfloat16)."""
-    folder = make_checkpoint("gpt_oss", tmp_path, overrides=FAMILIES["gpt_oss"])
+    folder = make_checkpoint("gpt_oss", tmp_path, overrides=CASES["gpt_oss"][1])
     (file,) = folder.glob("*.safetensors")
     original = safetensors.torch.load_file(str(file))
     packed: dict[str, torch.Tensor] = {}

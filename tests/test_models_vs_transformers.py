@@ -31,6 +31,7 @@ def test_windows_are_what_transformers_uses(checkpoint: tuple[str, pathlib.Path]
     expected = {
         "llama": (None, None),
         "llama_yarn": (None, None),
+        "llama3_rope": (None, None),
         "mistral": (W, W, W),
         "qwen2": (None, W, W),  # layers below max_window_layers stay full
         "phi3": (W, W),

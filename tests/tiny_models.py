@@ -46,6 +46,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                        rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                         "original_max_position_embeddings": 16,
                                                         "rope_theta": 10000.0})),
+    # Llama 3's rotary scaling (EXAONE 4 uses it too): the tests' 6w tokens run past the
+    # 64 positions it was "trained" for, and the pairs it blends turn 1-4 times in them
+    "llama3_rope": ("LlamaConfig", dict(
+        num_hidden_layers=2, max_position_embeddings=256, initializer_range=0.15,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 10000.0})),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True,
                                   sliding_window=W, max_window_layers=1)),
     "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=W, pad_token_id=0)),

@@ -16,7 +16,7 @@ with the same values (`Arch` below, one entry per architecture):
   (1-based) is full, the others slide (Gemma 2 and gpt-oss: 2; OLMo 3, EXAONE 4 and
   Cohere 2: 4);
 - the rotary base of the sliding layers: `rope.freq_base_swa` where present, else the full
-  layers' base;
+  layers' base; and OLMo's sliding layers leave out the full layers' rotary scaling;
 - Gemma 2's query scale: `head_dim`, except the 46-layer 27B whose scale is
   `hidden / heads`, as llama.cpp (and Gemma's reference code) have it;
 - gpt-oss's SwiGLU clamp (7.0) and its un-truncated YaRN, the released checkpoints' values;
@@ -36,6 +36,7 @@ original folders.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class Arch:
     # tensors the name map does not find: (tensors, transformers name) -> tensor, or None
     special: Callable[[Tensors, str], torch.Tensor | None] = field(
         default=lambda _t, _n: None)
+    yarn_truncate: bool = True  # transformers' YaRN default; gpt-oss's checkpoints say False
+    rope_freqs_are_llama3: bool = True  # a `rope_freqs` tensor encodes llama3 scaling
+    swa_unscaled: bool = False  # rotary scaling on the full layers only (llama.cpp's OLMo 2)
 
 
 def _tensor(reader_tensor: gguf.ReaderTensor) -> torch.Tensor:
@@ -183,11 +187,13 @@ def _gemma4_special(tensors: Tensors, name: str) -> torch.Tensor | None:
 
 ARCHS: dict[str, Arch] = {
     "gemma2": Arch("Gemma2Config", period=2, norm_shift=1.0, extra=_gemma2),
-    "olmo2": Arch("Olmo3Config", period=4),
+    "olmo2": Arch("Olmo3Config", period=4, swa_unscaled=True),
     "exaone4": Arch("Exaone4Config", period=4),
     "cohere2": Arch("Cohere2Config", period=4, extra=_cohere2),
-    "gpt-oss": Arch("GptOssConfig", period=2, extra=_gpt_oss, special=_expert_tensor),
-    "gemma4": Arch("Gemma4TextConfig", period=6, extra=_gemma4, special=_gemma4_special),
+    "gpt-oss": Arch("GptOssConfig", period=2, extra=_gpt_oss, special=_expert_tensor,
+                    yarn_truncate=False),
+    "gemma4": Arch("Gemma4TextConfig", period=6, extra=_gemma4, special=_gemma4_special,
+                   rope_freqs_are_llama3=False),
 }
 
 
@@ -207,7 +213,40 @@ def _fields(reader: gguf.GGUFReader, arch: str) -> Fields:
     return out
 
 
-def _rope(f: Fields, theta: float) -> dict[str, Any]:
+def _llama3_rope(factors: torch.Tensor, theta: float, dim: int) -> dict[str, Any]:
+    """llama3 rotary scaling from the per-pair frequency factors llama.cpp's converter wrote
+    (`rope_freqs`) in place of its four parameters.
+
+    Pairs whose wavelength is short keep factor 1, long ones take `factor`, and between them
+    1 / f = (1 - s) / factor + s with s = old / (wavelength (high - low)) - low / (high - low),
+    linear in 1 / wavelength. Its two coefficients come from the pairs in between; the four
+    parameters are then one set with those coefficients (low = 1), which gives every pair
+    the same factor as the original set.
+    """
+    f = factors.double()
+    factor = float(f.max())
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if factor <= 1.0:
+        return rope
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    x = inv / (2 * math.pi)  # 1 / wavelength
+    mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if len(f) != len(inv) or int(mid.sum()) < 2:
+        raise ModelLoadError("GGUF rope_freqs: not a llama3 rotary scaling this reader can "
+                             "recover (fewer than two interpolated frequencies)")
+    smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    design = torch.stack((x[mid], -torch.ones_like(x[mid])), dim=1)
+    a, c = (float(v) for v in torch.linalg.lstsq(design, smooth[:, None]).solution[:, 0])
+    if a <= 0 or c <= 0:
+        raise ModelLoadError("GGUF rope_freqs: not a llama3 rotary scaling")
+    old = a / c
+    return rope | {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                   "high_freq_factor": round(1.0 + 1.0 / c, 6),
+                   "original_max_position_embeddings": round(old) if abs(old - round(old)) < 1e-3
+                   else old}
+
+
+def _rope(f: Fields, theta: float, truncate: bool) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     kind = f.get("rope.scaling.type")
     if kind in (None, "none"):
@@ -217,7 +256,11 @@ def _rope(f: Fields, theta: float) -> dict[str, Any]:
                     original_max_position_embeddings=int(
                         f["rope.scaling.original_context_length"]),
                     beta_fast=float(f.get("rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=float(f.get("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+                    beta_slow=float(f.get("rope.scaling.yarn_beta_slow", 1.0)))
+        if "rope.scaling.yarn_attn_factor" in f:
+            rope["attention_factor"] = float(f["rope.scaling.yarn_attn_factor"])
+        if not truncate:
+            rope["truncate"] = False
         return rope
     if kind == "linear":
         return rope | {"rope_type": "linear", "factor": float(f["rope.scaling.factor"])}
@@ -252,14 +295,17 @@ def hf_config(reader: gguf.GGUFReader) -> Any:
     if len(slides) != layers:
         raise ModelLoadError(f"GGUF sliding_window_pattern has {len(slides)} flags for "
                              f"{layers} layers")
+    heads = int(f["attention.head_count"])
     theta = float(f.get("rope.freq_base", 10000.0))
     theta_swa = float(f.get("rope.freq_base_swa", theta))
-    rope = _rope(f, theta)
+    rope = _rope(f, theta, arch.yarn_truncate)
+    if "rope_freqs.weight" in tensors and arch.rope_freqs_are_llama3:
+        dim = int(f.get("attention.key_length", f["embedding_length"] // heads))
+        rope = _llama3_rope(_tensor(tensors["rope_freqs.weight"]), theta, dim)
     rope_parameters: dict[str, Any] = rope
-    if theta_swa != theta:
+    if theta_swa != theta or (arch.swa_unscaled and rope["rope_type"] != "default"):
         rope_parameters = {"full_attention": rope,
                            "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa}}
-    heads = int(f["attention.head_count"])
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=int(f["embedding_length"]), num_hidden_layers=layers,
         intermediate_size=_first(f["feed_forward_length"]), num_attention_heads=heads,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 class UnsupportedConfigError(ValueError):
@@ -35,6 +35,10 @@ class RopeConfig:
     # Gemma 4's "proportional" rotary: the first partial_factor of the frequency pairs of
     # the whole head, exponents over the whole head size, the other pairs unrotated
     proportional: bool = False
+    # Llama 3's scaling (EXAONE 4 too): (low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); long wavelengths divided by ``factor``, short ones
+    # kept, a smooth blend between (`engine.models.layers.llama3_inv_freq`)
+    llama3: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +136,11 @@ def _rope(params: dict[str, Any] | None, where: str) -> RopeConfig:
     if kind == "proportional":
         return RopeConfig(theta=theta, partial_factor=partial, proportional=True,
                           factor=float(params.get("factor", 1.0)))
+    if kind == "llama3":
+        return RopeConfig(theta=theta, partial_factor=partial, factor=float(params["factor"]),
+                          llama3=(float(params["low_freq_factor"]),
+                                  float(params["high_freq_factor"]),
+                                  float(params["original_max_position_embeddings"])))
     if kind != "yarn":
         return RopeConfig(theta=theta, partial_factor=partial,
                           factor=float(params.get("factor", 1.0)) if kind == "linear" else 1.0)

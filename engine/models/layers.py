@@ -112,6 +112,8 @@ class Rotary:
             self.inv_freq = torch.cat((inv, rest)) / rope.factor
         elif rope.yarn_original:
             self.inv_freq = yarn_inv_freq(rope, self.rot_dim, rope.theta**exponents)
+        elif rope.llama3:
+            self.inv_freq = llama3_inv_freq(rope, 1.0 / (rope.theta**exponents))
         else:
             self.inv_freq = 1.0 / (rope.theta**exponents) / rope.factor
         self.attention_factor = rope.attention_factor
@@ -138,6 +140,18 @@ class Rotary:
         table = self._table(max_position, positions.device, dtype)
         picked = table[:, positions][:, :, None, :]
         return picked[0], picked[1]
+
+
+def llama3_inv_freq(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3's frequencies: a pair that turns fewer than ``low`` times over the original
+    context is slowed by ``factor``, one that turns more than ``high`` times is kept, and the
+    pairs between blend the two by where their turn count lies between ``low`` and ``high``."""
+    assert rope.llama3 is not None
+    low, high, original = rope.llama3
+    turns = original * inv_freq / (2 * math.pi)  # = original / wavelength
+    slowed = inv_freq / rope.factor
+    blend = ((turns - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - blend) * slowed + blend * inv_freq
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int, wavelengths: torch.Tensor) -> torch.Tensor:
