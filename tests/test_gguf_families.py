@@ -34,6 +34,7 @@ from benchmarks.accuracy import Variant, compare_logits, served_model, variant_l
 from ringserve.engine import SamplingParams
 from ringserve.engine.loading.convert import resolve_model
 from ringserve.engine.loading.mxfp4 import quantize_mxfp4
+from ringserve.engine.models.moe import ExpertLinears
 from ringserve.engine.models.quant_linear import QuantLinear
 from tests import llamacpp_convert
 from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
@@ -169,8 +170,9 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
         tmp_path: pathlib.Path) -> None:
     """gpt-oss as released: experts in MXFP4. Our tiny one with its experts quantised to MXFP4
     blocks and scales (`quantize_mxfp4`), converted by llama.cpp (which writes them as GGUF
-    MXFP4 tensors), read back here: the logits equal transformers' on the same weights
-    dequantised by its own `convert_moe_packed_tensors` (MXFP4 values hold in bfloat16)."""
+    MXFP4 tensors), read back here: they stay MXFP4 in the converted folder and are served
+    as their exact int8 form, and the logits equal transformers' on the same weights
+    dequantised by its own `convert_moe_packed_tensors`."""
     folder = make_checkpoint("gpt_oss", tmp_path, overrides=CASES["gpt_oss"][1])
     (file,) = folder.glob("*.safetensors")
     original = safetensors.torch.load_file(str(file))
@@ -195,8 +197,17 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
              if "_exps.weight" in t.name}
     assert kinds == {"MXFP4"}
     converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    names = set()
+    for shard in converted.glob("*.safetensors"):
+        names |= set(safetensors.torch.load_file(str(shard)))
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names  # kept in MXFP4
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
     ids = random_tokens(6 * W, seed=4)
     with torch.no_grad():
         expected = hf_reference(folder)(torch.tensor([ids])).logits[0]
-    got = RingHarness(load_ours(str(converted)), B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
+    model = load_ours(str(converted))
+    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
+               for lin in [*m.gate_up, *m.down]]
+    assert experts and all(isinstance(lin, QuantLinear) and lin.bits == 8 for lin in experts)
+    got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

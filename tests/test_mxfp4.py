@@ -10,7 +10,16 @@ import safetensors.torch
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from ringserve.engine.loading.mxfp4 import FP4_VALUES, dequantize_mxfp4, merge_mxfp4, quantize_mxfp4
+from ringserve.engine.loading import build, mxfp4
+from ringserve.engine.loading.mxfp4 import (
+    FP4_VALUES,
+    dequantize_mxfp4,
+    merge_mxfp4,
+    mxfp4_int8,
+    quantize_mxfp4,
+)
+from ringserve.engine.models.moe import ExpertLinears, ExpertWeights
+from ringserve.kernels.quant import dequantize
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
 
@@ -53,10 +62,27 @@ def test_lone_pieces_pass_through() -> None:
     assert dict(merge_mxfp4([("a_scales", t)])) == {"a_scales": t}
 
 
-def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path) -> None:
+def test_mxfp4_int8_holds_the_same_numbers() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(7, 96) * torch.rand(7, 1) * 5
+    blocks, scales = quantize_mxfp4(weight)
+    qw = mxfp4_int8(blocks, scales)
+    assert qw is not None and (qw.bits, qw.group) == (8, 32)
+    assert torch.equal(dequantize(qw, torch.float32), dequantize_mxfp4(blocks, scales))
+    assert qw.nbytes == 7 * 96 + 7 * 3 * 2  # a byte a weight, a float16 a block
+    tiny = scales.clone()
+    tiny[0, 0] = 127 - 28  # 2**-28: no float16 holds its half
+    assert mxfp4_int8(blocks, tiny) is None
+
+
+@pytest.mark.parametrize("out_of_range", [False, True], ids=["int8", "one-expert-widened"])
+def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_of_range: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny gpt-oss with its expert weights stored as MXFP4 blocks and scales: our model
     reads them and matches transformers running the same weights dequantised by its own
-    convert_moe_packed_tensors, in a plain checkpoint beside it."""
+    convert_moe_packed_tensors, in a plain checkpoint beside it. On the CPU every expert is
+    served as the exact int8 form of its blocks, and nothing is widened, unless a block's
+    exponent has no float16 half: then that expert alone is."""
     path = make_checkpoint("gpt_oss", tmp_path)
     (file,) = path.glob("*.safetensors")
     original = safetensors.torch.load_file(str(file))
@@ -65,6 +91,8 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path) -> No
     for name, tensor in original.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
+            if out_of_range and name == "model.layers.1.mlp.experts.down_proj":
+                scales[2, 0, 0] = 127 - 30  # expert 2: a block of tiny weights
             packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
             plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
         else:
@@ -79,5 +107,16 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path) -> No
     ids = random_tokens(6 * W, seed=4)
     with torch.no_grad():
         expected = hf_reference(ref_dir)(torch.tensor([ids])).logits[0]
-    got = RingHarness(load_ours(str(path)), B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
+    if not out_of_range:
+        def widened(*_args: object) -> None:
+            raise AssertionError("an MXFP4 expert was widened")
+        monkeypatch.setattr(build, "dequantize_mxfp4", widened)
+        monkeypatch.setattr(mxfp4, "dequantize_mxfp4", widened)
+    model = load_ours(str(path))
+    experts = [m for m in model.modules() if isinstance(m, ExpertLinears)]
+    assert experts and not [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    kinds = [type(lin).__name__ for e in experts for lin in [*e.gate_up, *e.down]]
+    widened_ones = len(kinds) - kinds.count("QuantLinear")
+    assert widened_ones == (1 if out_of_range else 0), kinds
+    got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -7,17 +7,20 @@ read through `checkpoint.py`; here our `CausalLM` is built, filled and packed fo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ringserve.engine.kv_cache import model_layer_groups
 from ringserve.engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
-from ringserve.engine.loading.mxfp4 import merge_mxfp4
+from ringserve.engine.loading.find import weight_files
+from ringserve.engine.loading.mxfp4 import dequantize_mxfp4, merge_mxfp4, mxfp4_int8
 from ringserve.engine.loading.quantize import quantize_model
 from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
-from ringserve.engine.models.moe import split_experts
+from ringserve.engine.models.moe import ExpertLinears, MoE, split_experts
 from ringserve.engine.models.packed_linear import (
     CompactLinear,
     can_compact,
@@ -25,6 +28,7 @@ from ringserve.engine.models.packed_linear import (
     fuse_projections,
     pack_linears,
 )
+from ringserve.engine.models.quant_linear import QuantLinear
 
 
 def load_model(
@@ -63,9 +67,16 @@ def load_model(
     # NOTE: built on the meta device so no memory is spent on a random init we overwrite.
     with torch.device("meta"):
         model = CausalLM(cfg, model_layer_groups(cfg))
+    # MXFP4 experts: exact int8 blocks on a CPU (never widened), widened once elsewhere
+    compact = _mxfp4_moes(model, Path(path)) if torch.device(device).type == "cpu" else {}
+    for moe in compact.values():  # their stacked float weights are never made
+        del moe.experts.gate_up_proj, moe.experts.down_proj
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.load_weights(merge_mxfp4(iter_weights(path)))  # MXFP4 experts widened once
+    blocks: dict[str, list[nn.Module]] = {}
+    weights = _take_mxfp4(iter_weights(path), compact, blocks, dtype)
+    model.load_weights(merge_mxfp4(weights))
+    _attach_experts(compact, blocks)
     split_experts(model)  # each expert's projections: linears, packed or quantized below
     # NOTE: float weights are fused before they are quantized; GGUF blocks arrive one
     # tensor at a time and are fused by `quantize_model` where their block types agree.
@@ -79,3 +90,71 @@ def load_model(
         fuse_projections(model)
         pack_linears(model, CompactLinear)
     return model.eval()
+
+
+_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def _mxfp4_moes(model: nn.Module, folder: Path) -> dict[str, MoE]:
+    """gpt-oss's mixtures of experts whose stacked projections the checkpoint holds in
+    MXFP4, by module name (read from the files' headers, no tensor loaded)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return {name: module for name, module in model.named_modules()
+            if type(module) is MoE and all(f"{name}.experts.{p}_{part}" in names
+                                            for p in _PROJECTIONS
+                                            for part in ("blocks", "scales"))}
+
+
+def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE],
+                out: dict[str, list[nn.Module]],
+                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass every tensor on but the MXFP4 blocks and scales of ``moes``: each pair becomes
+    one linear an expert (`mxfp4_int8`; an expert whose exponents float16 cannot halve is
+    widened to ``dtype``), into ``out`` under ``<moe>.<projection>``."""
+    wanted = {f"{m}.experts.{p}_{part}": (f"{m}.{p}", part) for m in moes
+              for p in _PROJECTIONS for part in ("blocks", "scales")}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name not in wanted:
+            yield name, tensor
+            continue
+        key, part = wanted[name]
+        parts = pending.setdefault(key, {})
+        parts[part] = tensor
+        if len(parts) < 2:
+            continue
+        del pending[key]
+        linears: list[nn.Module] = []
+        for codes, exps in zip(parts["blocks"], parts["scales"], strict=True):
+            qw = mxfp4_int8(codes, exps)
+            if qw is not None:
+                linears.append(QuantLinear(qw, None))
+                continue
+            weight = dequantize_mxfp4(codes, exps).to(dtype)
+            with torch.device("meta"):
+                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            linears.append(linear)
+        out[key] = linears
+
+
+def _attach_experts(moes: dict[str, MoE], linears: dict[str, list[nn.Module]]) -> None:
+    """Give each MXFP4 mixture its experts' linears, with the biases the checkpoint loaded."""
+    for name, moe in moes.items():
+        per_projection = []
+        for projection in _PROJECTIONS:
+            if f"{name}.{projection}" not in linears:
+                raise ValueError(f"checkpoint lacks {name}.experts.{projection}")
+            bias = getattr(moe.experts, f"{projection}_bias")
+            modules = linears[f"{name}.{projection}"]
+            for e, module in enumerate(modules):
+                if bias is not None:
+                    module.bias = nn.Parameter(bias[e].detach().clone(), requires_grad=False)
+            per_projection.append(modules)
+        moe.linears = ExpertLinears(*per_projection)
+        del moe.experts

@@ -231,14 +231,16 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
     return field.contents()
 
 
-def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str]) -> dict[str, str]:
+def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str], *,
+                      missing_ok: bool = False) -> dict[str, str]:
     """The GGUF tensor name of each Hugging Face parameter name, by gguf-py's name map.
 
     ``lm_head.weight`` maps to ``token_embd.weight`` where the file has no output tensor
-    (tied embeddings, as llama.cpp reads them).
+    (tied embeddings, as llama.cpp reads them). With ``missing_ok`` a name that maps to no
+    tensor of the file is left out instead.
 
     Raises:
-        KeyError: a name maps to no tensor of the file.
+        KeyError: a name maps to no tensor of the file (unless ``missing_ok``).
         ValueError: gguf-py does not know the file's architecture.
     """
     arch_name = str(_field(reader, "general.architecture"))
@@ -255,6 +257,8 @@ def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str]) -> dict[str
         if mapped is not None and mapped not in present and f"{mapped}.weight" in present:
             mapped += ".weight"  # a parameter with no suffix (gpt-oss's `sinks`)
         if mapped is None or mapped not in present:
+            if missing_ok:
+                continue
             raise KeyError(f"{name}: no tensor in the GGUF file (mapped to {mapped})")
         found[name] = mapped
     return found

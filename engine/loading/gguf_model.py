@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ import torch
 
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.gguf_blocks import gguf_tensor_names
+from ringserve.engine.loading.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = ["ARCHS", "convert", "hf_config", "reads"]
 
@@ -327,8 +328,10 @@ def hf_config(reader: gguf.GGUFReader) -> Any:
     return config
 
 
-def _state_dict(reader: gguf.GGUFReader, config: Any) -> dict[str, torch.Tensor]:
-    """The weights under transformers' names and shapes for ``config``."""
+def _weights(reader: gguf.GGUFReader, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights under transformers' names and shapes for ``config``, one at a time, in
+    the model's order (layer by layer). gpt-oss's MXFP4 experts come as transformers' MXFP4
+    pair (``X_blocks``, ``X_scales``), never as floats."""
     import transformers
 
     arch = ARCHS[str(reader.fields["general.architecture"].contents())]
@@ -338,44 +341,97 @@ def _state_dict(reader: gguf.GGUFReader, config: Any) -> dict[str, torch.Tensor]
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     tensors = {t.name: t for t in reader.tensors}
-    out: dict[str, torch.Tensor] = {}
-    for name in expected:
-        special = arch.special(tensors, name)
-        if special is not None:
-            out[name] = special
-    plain = [n for n in expected if n not in out]
-    for name, gguf_name in gguf_tensor_names(reader, plain).items():
-        value = _tensor(tensors[gguf_name])
-        if arch.norm_shift and name.endswith("norm.weight"):
-            value = (value.float() - arch.norm_shift).to(value.dtype)
-        out[name] = value.reshape(expected[name]) if value.numel() == 1 else value
-    for name, value in out.items():
-        if tuple(value.shape) != expected[name]:
+    mapped = gguf_tensor_names(reader, expected, missing_ok=True)
+    for name, shape in expected.items():
+        mx = _mxfp4_experts(tensors, name)
+        if mx is not None:
+            yield from mx
+            continue
+        value = arch.special(tensors, name)
+        if value is None:
+            if name not in mapped:
+                raise ModelLoadError(f"the GGUF file has no tensor for {name}")
+            value = _tensor(tensors[mapped[name]])
+            if arch.norm_shift and name.endswith("norm.weight"):
+                value = (value.float() - arch.norm_shift).to(value.dtype)
+            if value.numel() == 1:
+                value = value.reshape(shape)
+        if tuple(value.shape) != shape:
             raise ModelLoadError(f"{name}: the GGUF tensor is {list(value.shape)}, the "
-                                 f"config wants {list(expected[name])}")
-    missing = sorted(set(expected) - set(out))
-    if missing:
-        raise ModelLoadError(f"the GGUF file has no tensor for {missing[:3]}")
-    return out
+                                 f"config wants {list(shape)}")
+        yield name, value
+
+
+def _mxfp4_experts(tensors: Tensors,
+                   name: str) -> list[tuple[str, torch.Tensor]] | None:
+    """gpt-oss's expert projection ``name`` as transformers' MXFP4 pair, where the file
+    holds it in MXFP4: the same numbers re-encoded (every block's largest value in [4, 8),
+    which any MXFP4 block can be rescaled to exactly; checked)."""
+    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        return None
+    block = name.split(".")[2]
+    kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+    parts = [tensors[f"blk.{block}.ffn_{k}_exps.weight"] for k in kinds]
+    if any(p.tensor_type != gguf.GGMLQuantizationType.MXFP4 for p in parts):
+        return None
+    values = [torch.from_numpy(gguf.quants.dequantize(np.asarray(p.data), p.tensor_type))
+              for p in parts]  # [E, out, in] float32, each
+    weight = values[0] if len(values) == 1 else torch.stack(values, dim=2).flatten(1, 2)
+    blocks, scales = quantize_mxfp4(weight)  # gate and up interleaved along out, as HF's
+    if not torch.equal(dequantize_mxfp4(blocks, scales), weight):
+        return [(name, weight.transpose(1, 2).to(torch.bfloat16).contiguous())]
+    return [(f"{name}_blocks", blocks), (f"{name}_scales", scales)]
+
+
+def _saved_dtype(tensors: Tensors) -> torch.dtype:
+    """The dtype most of the file's matrices are saved in (F32, F16 and BF16 keep theirs;
+    quantized ones become bfloat16)."""
+    kinds = {gguf.GGMLQuantizationType.F32: torch.float32,
+             gguf.GGMLQuantizationType.F16: torch.float16}
+    found = [kinds.get(t.tensor_type, torch.bfloat16) for t in tensors.values()
+             if len(t.shape) == 2]
+    return max(set(found), key=found.count) if found else torch.bfloat16
 
 
 def convert(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
     """Write the Hugging Face folder of a file this module reads: config.json, the weights
-    as one safetensors file, the tokenizer files."""
+    as safetensors shards of one layer each (with their index: a layer at a time in memory),
+    the tokenizer files."""
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
     path = Path(gguf_file)
     reader = gguf.GGUFReader(os.fspath(path))
     config = hf_config(reader)
-    weights = _state_dict(reader, config)
-    floats = [t.dtype for t in weights.values() if t.dim() == 2]
-    config.dtype = max(set(floats), key=floats.count) if floats else torch.bfloat16
+    tensors = {t.name: t for t in reader.tensors}
+    config.dtype = _saved_dtype(tensors)
+    if any(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in tensors.values()):
+        config.quantization_config = {"quant_method": "mxfp4"}  # as gpt-oss's own folders
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
-    save_file({n: t.contiguous() for n, t in weights.items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_key: str | None = None
+
+    def flush() -> None:
+        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in shard.items()}, str(folder / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        shard.clear()
+
+    for name, value in _weights(reader, config):
+        key = ".".join(name.split(".")[:3]) if ".layers." in name else "rest"
+        if shard and key != shard_key:
+            flush()
+        shard_key = key
+        shard[name] = value
+    if shard:
+        flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n",
+                                                         encoding="utf-8")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(folder)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}

@@ -49,23 +49,29 @@ class ExpertWeights(nn.Module):
 
 
 class ExpertLinears(nn.Module):
-    """Each expert's two projections as `nn.Linear` s ([out, in]), made once from the
-    stacked weights after loading, so that every path a linear takes serves them:
-    oneDNN-packed or compact bf16 on the CPU, int8/int4 with ``--quantization``."""
+    """Each expert's two projections as linears ([out, in]): `nn.Linear` s made once from
+    the stacked weights after loading (`from_stacked`), so that every path a linear takes
+    serves them (oneDNN-packed or compact bf16 on the CPU, int8/int4 with
+    ``--quantization``), or quantized linears made straight from an MXFP4 checkpoint's
+    blocks (`engine.loading.build`)."""
 
-    def __init__(self, stacked: ExpertWeights) -> None:
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
         super().__init__()
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+
+    @classmethod
+    def from_stacked(cls, stacked: ExpertWeights) -> ExpertLinears:
         experts = range(stacked.gate_up_proj.shape[0])
 
         def bias(b: nn.Parameter | None, e: int) -> torch.Tensor | None:
             return None if b is None else b[e]
 
-        self.gate_up = nn.ModuleList(
-            _linear(stacked.gate_up_proj[e], bias(stacked.gate_up_proj_bias, e), stacked.out_in)
-            for e in experts)
-        self.down = nn.ModuleList(
-            _linear(stacked.down_proj[e], bias(stacked.down_proj_bias, e), stacked.out_in)
-            for e in experts)
+        return cls(
+            [_linear(stacked.gate_up_proj[e], bias(stacked.gate_up_proj_bias, e),
+                     stacked.out_in) for e in experts],
+            [_linear(stacked.down_proj[e], bias(stacked.down_proj_bias, e), stacked.out_in)
+             for e in experts])
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, out_in: bool) -> nn.Linear:
@@ -98,7 +104,7 @@ class MoE(nn.Module):
     def split(self) -> None:
         """Turn the stacked (loaded) expert weights into one linear per projection and
         expert, dropping the stacked ones."""
-        self.linears = ExpertLinears(self.experts)
+        self.linears = ExpertLinears.from_stacked(self.experts)
         del self.experts
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
