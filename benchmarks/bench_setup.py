@@ -198,7 +198,8 @@ def instrument(llm: LLM) -> StepLog:
     """Time each engine step and its parts, by wrapping the engine's own objects.
 
     `step` is split into: model forward (`runner.model(...)`), logits (`compute_logits`:
-    the LM head), and the host side (everything else: scheduling, `runner.prepare`, the
+    the LM head), and the host side (everything else: scheduling, `planner.plan` and
+    `runner.prepare`, the
     sampler, bookkeeping, detokenization); `prepare` and the sampler are also timed alone.
     """
     log = StepLog()
@@ -209,7 +210,17 @@ def instrument(llm: LLM) -> StepLog:
     model.register_forward_hook(
         lambda *_: log.forward.append(time.perf_counter() - starts.pop()))
     model.compute_logits = _timed(model.compute_logits, log.logits)  # type: ignore[method-assign]
-    engine.runner.prepare = _timed(engine.runner.prepare, log.prepare)  # type: ignore[method-assign]
+    # the step's host-side preparation: the planner's appends, then the runner's tensors
+    prepared: list[float] = []
+    engine.planner.plan = _timed(engine.planner.plan, prepared)  # type: ignore[method-assign]
+    prepare = _timed(engine.runner.prepare, prepared)
+
+    def timed_prepare(plan: Any) -> Any:
+        out = prepare(plan)
+        log.prepare.append(prepared.pop() + prepared.pop())
+        return out
+
+    engine.runner.prepare = timed_prepare  # type: ignore[method-assign]
     engine.sampler = _TimedSampler(engine.sampler, log.sample)  # type: ignore[assignment]
     schedule = engine.scheduler.schedule
 

@@ -1,7 +1,8 @@
 """The engine: requests in, one scheduled step at a time, outputs out.
 
     batch = scheduler.schedule()
-    logits = runner.execute(batch)
+    plan = planner.plan(batch)          # the KV manager's appends, as data
+    logits = runner.execute(plan)
     update(batch, sampler(logits))
 """
 
@@ -40,6 +41,7 @@ from ringserve.engine.startup import (
     pick_dtype,
     pick_numerics,
 )
+from ringserve.engine.step_plan import StepPlanner
 from ringserve.engine.stopping import append_token
 from ringserve.engine.structured_output import StructuredOutputs
 from ringserve.kernels import cpu_build, cpu_isa
@@ -101,7 +103,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    speculative=self.speculative)
         self.accepted_per_position = [0] * k  # drafts kept at each position of a run
-        self.runner = ModelRunner(self.model, self.kv, caches, max_num_seqs=config.max_num_seqs,
+        self.planner = StepPlanner(self.kv, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, caches, windows=[g.window for g in spec.groups],
+                                  rings=list(self.kv.ring_blocks), block_size=spec.block_size,
+                                  max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=self.device)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size,
                                             self.eos_token_ids)
@@ -205,7 +210,13 @@ class LLMEngine:
         started = time.perf_counter()
         touched = {id(i.seq): self.requests[i.seq.request_id] for i in scheduled}
         try:
-            logits, prompt_logprobs = self.runner.execute(scheduled)
+            plan = self.planner.plan(scheduled)
+            try:
+                logits, prompt_logprobs = self.runner.execute(plan, scheduled)
+            except BaseException:
+                self.kv.discard()  # what this step wrote is not to be found by later prompts
+                raise
+            self.kv.commit()
         except Exception as err:  # surface it to the requests of this step, keep serving
             logger.exception("step failed; aborting its %d requests", len(touched))
             for request in set(touched.values()):
@@ -330,7 +341,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.runner.release(seq.seq_id)
+        self.planner.release(seq.seq_id)
         self.sampler.forget(seq.seq_id)
 
     def _retire(self, request: Request) -> None:

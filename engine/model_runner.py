@@ -1,19 +1,21 @@
-"""Scheduled sequences in, logits out: the one place block ids become tensors.
+"""A step's plan in, logits out: the one place block ids become tensors.
 
-Block tables live in persistent host tensors, one row per running sequence; a step copies
-only the entries a sequence gained since the last step (a ring row stops changing once the
-ring is full), then gathers the batch's rows.
+The runner never calls the KV manager: `engine.step_plan.StepPlanner` appends the step's
+positions and hands over a `StepPlan` of lists (tokens, positions, slots, the block ids each
+table row gained). Block tables live in persistent host tensors, one row per running
+sequence; a step copies in only the entries a plan names (a ring row stops changing once
+the ring is full), then gathers the batch's rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringserve.block_manager import KVCacheManager
 from ringserve.engine.forward_batch import ForwardBatch, GroupTables
 from ringserve.engine.models import CausalLM, KVCaches
 from ringserve.engine.scheduler import ScheduledSeq
 from ringserve.engine.sequence import PromptLogprob
+from ringserve.engine.step_plan import StepPlan
 
 # NOTE: prompt positions reduced to logprobs at once: bounds the float32 [rows, vocab]
 # logits a long prompt's chunk materialises (64 x 262k x 4 bytes = 64 MiB).
@@ -21,43 +23,32 @@ PROMPT_LOGPROBS_ROWS = 64
 
 
 class ModelRunner:
-    """Runs the model on a scheduled step.
+    """Runs the model on a planned step.
 
     Args:
         model: our model, on ``device``.
-        kv: the KV cache manager (block tables, slot mappings).
         caches: per layer, its (key_cache, value_cache).
+        windows: per layer group, its sliding window (None: full attention).
+        rings: per layer group, its ring length in blocks (None: full attention).
+        block_size: tokens per block.
         max_num_seqs: rows of the persistent block tables.
         max_model_len: the longest sequence (width of full-attention tables).
         device: where the model runs.
     """
 
-    def __init__(self, model: CausalLM, kv: KVCacheManager, caches: KVCaches, *,
-                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, caches: KVCaches, *, windows: list[int | None],
+                 rings: list[int | None], block_size: int, max_num_seqs: int,
+                 max_model_len: int, device: torch.device) -> None:
         self.model = model
-        self.kv = kv
         self.caches = caches
         self.device = device
-        spec = kv.spec
-        self.windows = [g.window for g in spec.groups]
-        self.rings = list(kv.ring_blocks)
-        widths = [r if r is not None else -(-max_model_len // spec.block_size)
-                  for r in self.rings]
+        self.windows = list(windows)
+        self.rings = list(rings)
+        widths = [r if r is not None else -(-max_model_len // block_size) for r in self.rings]
         self.tables = [torch.zeros((max_num_seqs, w), dtype=torch.int32) for w in widths]
-        self._row: dict[int, int] = {}
-        self._synced: dict[int, list[int]] = {}
-        self._swaps: dict[int, list[int]] = {}
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-
-    def release(self, seq_id: int) -> None:
-        """Forget a finished sequence's table row."""
-        row = self._row.pop(seq_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-            del self._synced[seq_id], self._swaps[seq_id]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[
+    def execute(self, plan: StepPlan, scheduled: list[ScheduledSeq]) -> tuple[
         torch.Tensor, dict[int, list[PromptLogprob]]
     ]:
         """Feed the step's tokens through the model, writing their K/V into the ring.
@@ -69,13 +60,8 @@ class ModelRunner:
             and, by sequence id, the prompt logprobs of this step's prompt positions for
             sequences that ask for them (see `prompt_logprobs`).
         """
-        input_ids, batch = self.prepare(scheduled)
-        try:
-            hidden = self.model(input_ids, batch, self.caches)
-        except BaseException:
-            self.kv.discard()  # what this step wrote is not to be found by later prompts
-            raise
-        self.kv.commit()
+        input_ids, batch = self.prepare(plan)
+        hidden = self.model(input_ids, batch, self.caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
         return logits, self.prompt_logprobs(scheduled, hidden)
 
@@ -122,87 +108,30 @@ class ModelRunner:
                 top_v.tolist(), strict=True)
         ]
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch]:
-        """Append the step's positions to the block manager and build the tensors."""
-        ids: list[int] = []
-        positions: list[int] = []
-        starts = [0]
-        context: list[int] = []
-        logits_rows: list[int] = []
-        slots: list[list[int]] = [[] for _ in self.rings]
-        rows: list[int] = []
-        early: list[int] = []
-        for item in scheduled:
-            seq, n = item.seq, item.num_new
-            start = seq.num_computed
-            self.kv.check_reads(seq.seq_id, start)
-            # NOTE: the rows the step reads are taken before its append: attention reads
-            # only positions before `start`, and with prefix caching the append may give a
-            # ring entry a fresh block (for positions this step writes) while the step's
-            # first queries still read the old one.
-            row = self._sync_row(seq.seq_id)
-            tokens = seq.token_ids[start : start + n - len(item.draft)] + list(item.draft)
-            for g, mapping in enumerate(self.kv.append(seq.seq_id, n, tokens,
-                                                       drafts=len(item.draft))):
-                slots[g] += mapping
-            if item.draft:
-                # NOTE: a verification row: each of its n queries is served as a decode
-                # (the compiled decode kernel, not a chunk's slower path) reading the row's
-                # earlier tokens from the cache, so they are written first, through the row
-                # as this append left it (an entry may have taken a fresh block; what the
-                # old one held has expired for these queries: the speculative slack).
-                self._sync_row(seq.seq_id)
-                early += range(len(ids), len(ids) + n)
-                rows += [row] * n
-                context += range(start, start + n)
-                starts += range(starts[-1] + 1, starts[-1] + n + 1)
-            else:
-                rows.append(row)
-                context.append(start)
-                starts.append(starts[-1] + n)
-            ids += tokens
-            positions += range(start, start + n)
-            if item.samples:  # a verified run: every position's next-token logits
-                logits_rows += range(starts[-1] - 1 - len(item.draft), starts[-1])
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, ForwardBatch]:
+        """Apply the plan's table updates and build the step's tensors."""
+        for u in plan.updates:
+            self.tables[u.group][u.row, u.first : u.first + len(u.blocks)] = torch.tensor(
+                u.blocks, dtype=torch.int32)
         dev = self.device
-        row_index = torch.tensor(rows, dtype=torch.int64)
+        row_index = torch.tensor(plan.rows, dtype=torch.int64)
         groups = tuple(
             GroupTables(
                 block_tables=self.tables[g].index_select(0, row_index).to(dev),
-                slot_mapping=torch.tensor(slots[g], dtype=torch.int64).to(dev),
+                slot_mapping=torch.tensor(plan.slots[g], dtype=torch.int64).to(dev),
                 window=self.windows[g],
                 ring_blocks=self.rings[g],
             )
             for g in range(len(self.rings))
         )
+        early = plan.early_writes
         batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor(context, dtype=torch.int32).to(dev),
+            positions=torch.tensor(plan.positions, dtype=torch.int64).to(dev),
+            query_start_loc=torch.tensor(plan.query_starts, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor(plan.context_lens, dtype=torch.int32).to(dev),
             groups=groups,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
-            max_position=max(positions) + 1,
+            logits_indices=torch.tensor(plan.logits_rows, dtype=torch.int64).to(dev),
+            max_position=max(plan.positions) + 1,
             early_writes=torch.tensor(early, dtype=torch.int64).to(dev) if early else None,
         )
-        return torch.tensor(ids, dtype=torch.int64).to(dev), batch
-
-    def _sync_row(self, seq_id: int) -> int:
-        """Copy the block ids a sequence gained since last step into its table row (the
-        whole row where a ring entry took a fresh block)."""
-        row = self._row.get(seq_id)
-        if row is None:
-            row = self._free_rows.pop()
-            self._row[seq_id] = row
-            self._synced[seq_id] = [0] * len(self.rings)
-            self._swaps[seq_id] = [0] * len(self.rings)
-        synced, seen = self._synced[seq_id], self._swaps[seq_id]
-        swaps = self.kv.row_swaps(seq_id)
-        for g, blocks in enumerate(self.kv.block_tables(seq_id)):
-            first = synced[g]
-            if swaps[g] != seen[g]:
-                first, seen[g] = 0, swaps[g]
-            if len(blocks) > first:
-                self.tables[g][row, first : len(blocks)] = torch.tensor(blocks[first:],
-                                                                        dtype=torch.int32)
-                synced[g] = len(blocks)
-        return row
+        return torch.tensor(plan.input_ids, dtype=torch.int64).to(dev), batch

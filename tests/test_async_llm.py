@@ -87,11 +87,11 @@ def test_an_engine_error_fails_its_requests_and_the_loop_goes_on(
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(scheduled: Any) -> Any:
+    def flaky(plan: Any, scheduled: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected kernel failure")
-        return real(scheduled)
+        return real(plan, scheduled)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     params = SamplingParams(max_tokens=5, **GREEDY)

@@ -112,11 +112,11 @@ def test_a_fault_in_the_forward_still_fails_its_step_and_the_engine_goes_on(
     original = runner.execute
     state = {"fail": True}
 
-    def execute(scheduled: Any) -> Any:
+    def execute(plan: Any, scheduled: Any) -> Any:
         if state["fail"]:
             state["fail"] = False
             raise RuntimeError("injected forward fault")
-        return original(scheduled)
+        return original(plan, scheduled)
 
     monkeypatch.setattr(runner, "execute", execute)
     first = engine.add_request("a", {"prompt_token_ids": random_tokens(8, 1)}, PARAMS[0])
