@@ -32,6 +32,11 @@ class EngineConfig:
             2 GiB; CUDA: a fraction of free memory after weights and a profiled step).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens fed to the model per step.
+        max_prefill_slowdown: while sequences decode, prefill chunks take only the tokens
+            that keep the step's predicted time (`engine.spec_decode.StepCost`, learned
+            from this machine's steps) within this factor of a decode-only step: arriving
+            prompts then slow running streams' TPOT by at most that much (at least one
+            block of prefill a step). None = no cap (chunks fill max_num_batched_tokens).
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
         enable_prefix_caching: reuse the K/V of prompt prefixes computed before (vLLM's
@@ -55,6 +60,7 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_slowdown: float | None = None
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -71,6 +77,9 @@ class EngineConfig:
              f"must be >= max_num_seqs ({self.max_num_seqs}) so every decode fits a step"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2,
              "must be >= 2"),
+            ("max_prefill_slowdown",
+             self.max_prefill_slowdown is None or self.max_prefill_slowdown > 1.0,
+             "must be > 1 (or None: no cap)"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),
         ]

@@ -101,6 +101,7 @@ class LLMEngine:
                                     self.device, model_kv_sources(mcfg))
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_slowdown=config.max_prefill_slowdown,
                                    speculative=self.speculative)
         self.accepted_per_position = [0] * k  # drafts kept at each position of a run
         self.planner = StepPlanner(self.kv, config.max_num_seqs)
@@ -235,10 +236,14 @@ class LLMEngine:
             logger.warning("sampling failed (%r); sampling each sequence apart", err)
             self.sampler.restore_state(saved)
             picked = self._sample_apart(samplers, logits, rows)
+        elapsed = time.perf_counter() - started
+        if self.config.max_prefill_slowdown is not None:
+            chunks = [(i.num_new, i.seq.num_computed) for i in scheduled if i.seq.is_prefilling]
+            self.scheduler.prefill_cost.observe(
+                sum(i.num_new for i in scheduled) - sum(n for n, _ in chunks), chunks, elapsed)
         if self.speculative is not None:
             self.scheduler.step_cost.observe(sum(i.num_new for i in scheduled),
-                                             sum(bool(i.draft) for i in scheduled),
-                                             time.perf_counter() - started)
+                                             sum(bool(i.draft) for i in scheduled), elapsed)
         live = [i for i in scheduled if not i.seq.status.is_finished]
         self._update(live, picked, prompt_logprobs)
         return list({id(r): r for r in touched.values()}.values())

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from ringserve.block_manager import KVCacheManager
 from ringserve.engine import spec_decode
+from ringserve.engine.prefill_cost import PrefillCost
 from ringserve.engine.sequence import Sequence, SequenceStatus
+
+PROBE_BLOCKS = 4  # a first prompt chunk beside decodes, before prompt tokens' cost is known
 
 
 @dataclass(frozen=True)
@@ -44,17 +47,22 @@ class Scheduler:
         kv: the KV cache manager (admission, block tables).
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens fed per step (decodes and prefill chunks together).
+        max_prefill_slowdown: while sequences decode, the prefill tokens of a step are capped
+            so its predicted time stays within this factor of the decode-only step's
+            (`prefill_room`, `engine.prefill_cost`); None = no cap.
         speculative: drafts decodes by prompt lookup (`engine.spec_decode`).
     """
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int,
+                 max_num_batched_tokens: int, max_prefill_slowdown: float | None = None,
                  speculative: spec_decode.SpeculativeConfig | None = None) -> None:
         self.kv = kv
         self.speculative = speculative
         self.step_cost = spec_decode.StepCost()
+        self.prefill_cost = PrefillCost()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_slowdown = max_prefill_slowdown
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # stays 0 by construction; exported as a metric
@@ -71,18 +79,29 @@ class Scheduler:
         # max_num_seqs (the engine checks it) every running decode gets its token each step.
         decoding = [s for s in self.running if not s.is_prefilling]
         prefilling = [s for s in self.running if s.is_prefilling]
-        for rank, seq in enumerate(decoding + prefilling):
+        for rank, seq in enumerate(decoding):
             if budget == 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
             draft: tuple[int, ...] = ()
-            if self.speculative is not None and rank < len(decoding):
+            if self.speculative is not None:
                 # drafts take only budget no later decode needs for its own token
                 room = budget - n - (len(decoding) - rank - 1)
                 draft = self._draft(seq, room, len(decoding))
             out.append(ScheduledSeq(seq, n + len(draft), draft))
             budget -= n + len(draft)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        fed = self.max_num_batched_tokens - budget  # the decodes' tokens, drafts included
+        capped = self.max_prefill_slowdown is not None and bool(out)
+        share = _PromptShare(self, self.prefill_room(fed, len(out)) if capped else None, capped,
+                             closed=capped and self.prefill_cost.wants_decode_step())
+        for seq in prefilling:
+            n = share.take(seq, budget)
+            if n == 0:
+                break
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and share.left()):
             seq = self.waiting[0]
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             # prompt logprobs need the logits of every prompt position: no cached prefix
@@ -103,10 +122,21 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            out.append(ScheduledSeq(seq, n))
-            budget -= n
+            n = share.take(seq, budget)
+            if n:
+                out.append(ScheduledSeq(seq, n))
+                budget -= n
         return SchedulerOutput(out)
+
+    def prefill_room(self, decode_tokens: int, decodes: int) -> float | None:
+        """Seconds a step of ``decodes`` decodes (``decode_tokens`` tokens) may spend on
+        prompt chunks under ``max_prefill_slowdown``: (slowdown - 1) times its predicted
+        decode-only time; None for no cap (no slowdown set, nothing decoding, or nothing
+        learned yet)."""
+        if self.max_prefill_slowdown is None or decodes == 0:
+            return None
+        base = self.prefill_cost.decode_time(decode_tokens)
+        return None if base is None else (self.max_prefill_slowdown - 1.0) * base
 
     def _draft(self, seq: Sequence, room: int, decodes: int) -> tuple[int, ...]:
         """A decode's drafted tokens: at most ``room``, none past its last output token,
@@ -142,3 +172,53 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+class _PromptShare:
+    """What one step's prompt chunks may take beside its decodes (`Scheduler.schedule`).
+
+    Uncapped, a chunk takes what the token budget allows. Capped (sequences decode under
+    ``max_prefill_slowdown``), the chunks take the tokens that fit the step's spare seconds
+    (`PrefillCost.chunk_tokens`), or `PROBE_BLOCKS` blocks in all while their cost is not
+    known yet; and at least one block a step (prompts always advance), except in the
+    decode-only steps that measure what the share is relative to.
+    """
+
+    def __init__(self, scheduler: Scheduler, spare: float | None, capped: bool, *,
+                 closed: bool = False) -> None:
+        self.cost = scheduler.prefill_cost
+        self.block = scheduler.kv.spec.block_size
+        self.spare = spare
+        self.capped = capped
+        self.closed = closed  # a decode-only step, measured (`PrefillCost.wants_decode_step`)
+        self.tokens = 0  # prompt tokens taken this step
+
+    def _probing(self) -> bool:
+        return self.spare is None or self.cost.chunks.solve() is None
+
+    def left(self) -> bool:
+        """Whether another chunk may start this step."""
+        if self.closed:
+            return False
+        if not self.capped or self.tokens == 0:
+            return True
+        if self._probing():
+            return self.tokens < PROBE_BLOCKS * self.block
+        return self.spare is not None and self.spare > 0
+
+    def take(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s prompt this step feeds (0: the step's share is spent)."""
+        left = min(seq.num_tokens - seq.num_computed, budget)
+        if self.closed:
+            n = 0
+        elif not self.capped:
+            n = left
+        elif self._probing():
+            n = min(left, max(PROBE_BLOCKS * self.block - self.tokens, 0))
+        else:
+            assert self.spare is not None
+            fits = self.cost.chunk_tokens(self.spare, seq.num_computed) or 0
+            n = min(left, fits if fits or self.tokens else self.block)
+            self.spare -= self.cost.chunk_seconds(n, seq.num_computed)
+        self.tokens += n
+        return n

@@ -39,6 +39,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("kv-cache-memory", str, "bytes for the KV cache (one pool for all layers), e.g. 2GiB"),
     ("max-num-seqs", int, "sequences running at once"),
     ("max-num-batched-tokens", int, "tokens per engine step"),
+    ("max-prefill-slowdown", float, "while streams decode, prefill chunks keep a step within "
+     "this factor of a decode-only step (e.g. 2; default: no cap)"),
     ("max-model-len", int, "prompt + output tokens at most"),
     ("max-waiting", int, "waiting sequences before 429"),
     ("api-key", str, "require 'Authorization: Bearer KEY' on /v1 routes"),

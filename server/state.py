@@ -34,6 +34,7 @@ class ServeArgs:
     kv_cache_memory: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_slowdown: float | None = None
     max_model_len: int | None = None
     max_waiting: int | None = 256
     api_key: str | None = None
@@ -55,6 +56,7 @@ class ServeArgs:
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_prefill_slowdown=self.max_prefill_slowdown,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,
                     enable_prefix_caching=self.enable_prefix_caching,
                     cache_dir=self.cache_dir, speculative_config=self.speculative_config)
