@@ -28,17 +28,16 @@ import pytest
 import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoTokenizer
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
 from ringserve.engine import SamplingParams
 from ringserve.engine.loading.convert import resolve_model
-from ringserve.engine.loading.mxfp4 import quantize_mxfp4
 from ringserve.engine.models.moe import ExpertLinears
 from ringserve.engine.models.quant_linear import QuantLinear
 from tests import llamacpp_convert
 from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
 from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
+from tests.test_mxfp4 import mxfp4_experts
 from tests.tiny_models import CORPUS, B, W, hf_reference, make_checkpoint, make_llm, random_tokens
 
 # case: (family, config overrides). What a GGUF file cannot carry is fixed by llama.cpp per
@@ -175,16 +174,7 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     dequantised by its own `convert_moe_packed_tensors`."""
     folder = make_checkpoint("gpt_oss", tmp_path, overrides=CASES["gpt_oss"][1])
     (file,) = folder.glob("*.safetensors")
-    original = safetensors.torch.load_file(str(file))
-    packed: dict[str, torch.Tensor] = {}
-    plain: dict[str, torch.Tensor] = {}
-    for name, tensor in original.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
-            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
-            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        else:
-            packed[name] = plain[name] = tensor
+    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)))
     safetensors.torch.save_file(plain, str(file), metadata={"format": "pt"})  # the reference
     mxfp4 = tmp_path / "mxfp4"
     shutil.copytree(folder, mxfp4)

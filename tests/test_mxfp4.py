@@ -4,6 +4,7 @@ checkpoint stored in MXFP4 served as transformers runs it."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import safetensors.torch
@@ -62,6 +63,26 @@ def test_lone_pieces_pass_through() -> None:
     assert dict(merge_mxfp4([("a_scales", t)])) == {"a_scales": t}
 
 
+def mxfp4_experts(weights: dict[str, torch.Tensor],
+                  edit: Callable[[str, torch.Tensor], None] | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A gpt-oss checkpoint's weights with the experts as MXFP4 blocks and scales (scales
+    first passed to ``edit``), and the same weights with the experts as transformers'
+    convert_moe_packed_tensors dequantises those blocks (the reference)."""
+    packed: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
+            if edit is not None:
+                edit(name, scales)
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            packed[name] = plain[name] = tensor
+    return packed, plain
+
+
 def test_mxfp4_int8_holds_the_same_numbers() -> None:
     torch.manual_seed(1)
     weight = torch.randn(7, 96) * torch.rand(7, 1) * 5
@@ -85,18 +106,12 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_o
     exponent has no float16 half: then that expert alone is."""
     path = make_checkpoint("gpt_oss", tmp_path)
     (file,) = path.glob("*.safetensors")
-    original = safetensors.torch.load_file(str(file))
-    packed: dict[str, torch.Tensor] = {}
-    plain: dict[str, torch.Tensor] = {}
-    for name, tensor in original.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [E, out, in]
-            if out_of_range and name == "model.layers.1.mlp.experts.down_proj":
-                scales[2, 0, 0] = 127 - 30  # expert 2: a block of tiny weights
-            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
-            plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        else:
-            packed[name] = plain[name] = tensor
+
+    def tiny_block(name: str, scales: torch.Tensor) -> None:
+        if out_of_range and name == "model.layers.1.mlp.experts.down_proj":
+            scales[2, 0, 0] = 127 - 30  # expert 2: a block of tiny weights
+
+    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)), tiny_block)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     for f in path.iterdir():
