@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer
 from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
 from ringserve.engine import SamplingParams
 from ringserve.engine.loading.convert import resolve_model
+from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE
 from ringserve.engine.models.moe import ExpertLinears
 from ringserve.engine.models.quant_linear import QuantLinear
 from tests import llamacpp_convert
@@ -130,6 +131,7 @@ def test_the_tokenizer_splits_text_as_the_original(
 
 def test_greedy_output_is_token_exact(f32: tuple[str, pathlib.Path, pathlib.Path]) -> None:
     _family, folder, converted = f32
+    assert not (converted / BLOCKS_FILE).exists()  # an F32 file: nothing quantized to serve
     reference = hf_reference(folder)
     expected = []
     with torch.no_grad():

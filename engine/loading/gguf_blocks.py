@@ -346,7 +346,7 @@ def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str
     without a layout here are left out.
 
     Returns:
-        The number of weights saved (tied ones once).
+        The number of weights saved (tied ones once); with none, no file is written.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -371,6 +371,10 @@ def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str
         tensors[f"{name}.scales"] = qw.scales.contiguous()
         if qw.mins is not None:
             tensors[f"{name}.mins"] = qw.mins.contiguous()
+    if not kept:
+        # NOTE: a file of float tensors (F32, F16, BF16) has no blocks: no blocks file, so
+        # that `--quantization auto` serves it as the float model it is
+        return 0
     ties = {name: kept[id(qw)] for name, qw in weights.items() if kept[id(qw)] != name}
     target = Path(folder) / BLOCKS_FILE
     target.parent.mkdir(exist_ok=True)
