@@ -6,6 +6,7 @@ from ringserve.block_manager.budget import (
     Capacity,
     KVCacheSpec,
     LayerGroup,
+    RequestTooLargeError,
     admission,
     capacity,
     group_layers,
@@ -19,7 +20,6 @@ from ringserve.block_manager.manager import (
     KVCacheError,
     KVCacheManager,
     KVStats,
-    RequestTooLargeError,
 )
 from ringserve.block_manager.pool import BlockPool, BlockPoolError
 from ringserve.block_manager.ring import blocks_for_tokens, ring_length, ring_slack, table_index

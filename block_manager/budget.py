@@ -216,6 +216,23 @@ def group_layers(
     )
 
 
+class RequestTooLargeError(ValueError):
+    """A request needs more blocks than a whole pool holds: it can never be admitted."""
+
+
+def check_fits_pool(spec: KVCacheSpec, num_blocks: int, prompt_len: int, max_tokens: int,
+                    need: Sequence[int] | None = None) -> None:
+    """Raise `RequestTooLargeError` if a request could never fit a pool of ``num_blocks``
+    (``need``: its blocks per group, when known)."""
+    n = sum(need if need is not None else spec.blocks_needed(prompt_len + max_tokens))
+    if n > num_blocks:
+        raise RequestTooLargeError(
+            f"request needs {n} KV blocks of {spec.block_size} tokens over all "
+            f"layer groups (prompt {prompt_len} + max_tokens {max_tokens} = "
+            f"{prompt_len + max_tokens} tokens) but the whole pool holds "
+            f"{num_blocks}; it can never be admitted")
+
+
 def plan_num_blocks(spec: KVCacheSpec, memory_bytes: int) -> int:
     """Blocks of the one pool that fit ``memory_bytes``."""
     if memory_bytes < 0:

@@ -11,16 +11,13 @@ from ringserve.block_manager.budget import (
     Capacity,
     KVCacheSpec,
     capacity,
+    check_fits_pool,
     sequences_that_fit,
 )
 from ringserve.block_manager.pool import BlockPool
 from ringserve.block_manager.prefix import Hit, PrefixIndex, extend_chain
 from ringserve.block_manager.ring import overwrites_between, recycles_between, ring_slack
 from ringserve.block_manager.table import SKIP_SLOT, BlockTable
-
-
-class RequestTooLargeError(ValueError):
-    """A request needs more blocks than a whole pool holds: it can never be admitted."""
 
 
 class KVCacheError(RuntimeError):
@@ -149,14 +146,8 @@ class KVCacheManager:
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """Raise `RequestTooLargeError` if the request could never fit the pool."""
-        n = sum(self.reservation(prompt_len, max_tokens))
-        if n > self.pool.num_blocks:
-            raise RequestTooLargeError(
-                f"request needs {n} KV blocks of {self.spec.block_size} tokens over all "
-                f"layer groups (prompt {prompt_len} + max_tokens {max_tokens} = "
-                f"{prompt_len + max_tokens} tokens) but the whole pool holds "
-                f"{self.pool.num_blocks}; it can never be admitted"
-            )
+        check_fits_pool(self.spec, self.pool.num_blocks, prompt_len, max_tokens,
+                        self.reservation(prompt_len, max_tokens))
 
     def prompt_chain(self, prompt_ids: list[int]) -> list[bytes] | None:
         """The prompt's block names, computed once for a waiting sequence and handed to

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringserve.engine.config import EngineConfig
-from ringserve.engine.llm_engine import LLMEngine, Prompt
+from ringserve.engine.llm_engine import LLMEngine
 from ringserve.engine.outputs import RequestOutput
+from ringserve.engine.request_check import Prompt
 from ringserve.engine.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ringserve.block_manager import KVCacheManager, RequestTooLargeError, plan_num_blocks
+from ringserve.block_manager import KVCacheManager, plan_num_blocks
 from ringserve.engine import spec_decode
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.cpu_threads import apply_threads
@@ -28,6 +28,12 @@ from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer,
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
 from ringserve.engine.outputs import Request
+from ringserve.engine.request_check import (
+    CheckedRequest,
+    Prompt,
+    RequestChecker,
+    RequestLimits,
+)
 from ringserve.engine.sampler import Sampler
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -48,7 +54,6 @@ from ringserve.kernels import cpu_build, cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 
-Prompt = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -66,6 +71,7 @@ class LLMEngine:
                 raise InvalidRequestError(str(err), param="environment") from None
         resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_name = resolved.name
+        self.model_path = resolved.path  # the folder served (a GGUF file's conversion)
         hf_config = load_hf_config(resolved.path)
         self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
@@ -122,48 +128,34 @@ class LLMEngine:
                 f"{self.max_model_len} tokens ({self.capacity.description}); raise "
                 "kv_cache_memory or lower max_model_len", param="kv_cache_memory")
         logger.info("%s; %s", describe(spec, num_blocks, memory), self.capacity.description)
+        self.limits = RequestLimits(mcfg.vocab_size, self.max_model_len, spec, num_blocks,
+                                    self.capacity.description)
+        self.checker = RequestChecker(self.tokenizer, self.limits, self.structured)
 
     # -- requests ----------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """Tokenize and check a request without touching engine state (any thread).
+        """Tokenize and check a request (any thread), then build its sequences.
 
         Raises:
             InvalidRequestError: naming the parameter at fault.
         """
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
-                                      param="prompt")
-        if any(t >= vocab for t in params.logit_bias or {}):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})",
-                                      param="logit_bias")
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {n} tokens; max_model_len is {self.max_model_len}, which must "
-                "also leave room for at least one generated token", param="prompt")
-        max_tokens = params.max_tokens or self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}, the longest sequence the KV pool is "
-                f"sized for ({self.capacity.description})", param="max_tokens")
-        try:
-            self.kv.check_request(n, max_tokens)
-        except RequestTooLargeError as err:
-            raise InvalidRequestError(str(err), param="max_tokens") from None
-        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
-        seqs = [self._sequence(request_id, i, ids, params, max_tokens) for i in range(params.n)]
+        return self.build(self.checker.check(request_id, prompt, params))
+
+    def build(self, checked: CheckedRequest) -> Request:
+        """The request's sequences, from a request `RequestChecker` passed (here or in the
+        API process: a constraint then arrives as text)."""
+        grammar = checked.grammar
+        if isinstance(grammar, str):
+            grammar = self.structured.deserialize(grammar)
+        ids, params = checked.prompt_token_ids, checked.params
+        seqs = [self._sequence(checked.request_id, i, ids, params, checked.max_tokens)
+                for i in range(params.n)]
         for seq in seqs:
-            seq.bad_words_ids = bad_words  # read only, shared
-        if params.structured_outputs is not None:  # compiled once, then a matcher per seq
-            for seq in seqs:
-                seq.grammar = self.structured.matcher(params.structured_outputs)
-        return Request(request_id, text, ids, params, seqs)
+            seq.bad_words_ids = checked.bad_words_ids  # read only, shared
+            if grammar is not None:  # compiled once, then a matcher per sequence
+                seq.grammar = self.structured.matcher_for(grammar)
+        return Request(checked.request_id, checked.prompt, ids, params, seqs)
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request` (engine thread)."""
@@ -358,27 +350,6 @@ class LLMEngine:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer takes it
-                raise InvalidRequestError(
-                    f"prompt is not valid Unicode text: {err.reason} at index {err.start}",
-                    param="prompt") from None
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return None, list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
-                                      param="prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError("prompt must be a string or a list of token ids",
-                                  param="prompt")
-
     def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                   max_tokens: int) -> Sequence:
         detok = IncrementalDetokenizer(self.tokenizer, ids,
@@ -389,23 +360,6 @@ class LLMEngine:
                         token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
                         max_tokens=max_tokens, detokenizer=detok, prompt_logprobs_k=k,
                         prompt_logprobs=[None] if k is not None else [])
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """vLLM's tokenization of bad_words: each word as is (left-stripped) and with a
-        leading space, the latter kept only where it gives other tokens of the same count
-        (a new word token)."""
-        out: list[list[int]] = []
-        vocab = self.model.config.vocab_size
-        for word in words:
-            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        if any(not 0 <= t < vocab for ids in out for t in ids):
-            raise InvalidRequestError(f"bad_words tokenize to ids outside [0, {vocab})",
-                                      param="bad_words")
-        return out
 
     @property
     def has_unfinished(self) -> bool:

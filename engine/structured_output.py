@@ -4,13 +4,14 @@ whole batch's token bitmask filled at once.
 A request's constraint (`StructuredOutputsParams`: a JSON schema, any JSON object, a regex,
 a choice of strings, an EBNF grammar) compiles to an xgrammar ``CompiledGrammar``, cached by
 its text, so a schema that thousands of requests share compiles once. Compiling happens
-where the request is made (`LLMEngine.make_request`), which the server runs in a worker
-thread, never in the engine loop. Each sequence gets its own ``GrammarMatcher``; every step
-the sampler asks the batch's matchers for the tokens they allow (one bitmask, filled by
-xgrammar's thread pool) and masks a row's logits only when the token picked without the
-mask is one its grammar refuses (exact; see `engine.sampler.Sampler`). When a matcher
-accepts a stop token its grammar is complete and the sequence finishes with ``stop``
-(`engine.stopping`).
+where the request is checked (`RequestChecker.check`), which the server runs in a worker
+thread of the API process, never in the engine loop; the engine core reads the compiled
+form back from its serialized JSON (`deserialize`). Each sequence gets its own
+``GrammarMatcher``; every step the sampler asks the batch's matchers for the tokens they
+allow (one bitmask, filled by xgrammar's thread pool) and masks a row's logits only when
+the token picked without the mask is one its grammar refuses (exact; see
+`engine.sampler.Sampler`). When a matcher accepts a stop token its grammar is complete and
+the sequence finishes with ``stop`` (`engine.stopping`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class StructuredOutputs:
         self.stop_token_ids = sorted(stop_token_ids)
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: Any = None  # the compiler's xgrammar.TokenizerInfo
         self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
         self._batch: xgrammar.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None
@@ -68,9 +70,15 @@ class StructuredOutputs:
             InvalidRequestError: the schema, regex or grammar does not compile; ``param``
                 names the field.
         """
+
+        return self.matcher_for(self.compile(params))
+
+    @staticmethod
+    def matcher_for(compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+        """A fresh matcher for one sequence under an already compiled constraint."""
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self.compile(params))
+        return xgrammar.GrammarMatcher(compiled)
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled constraint, from the cache when the same one was compiled before."""
@@ -91,6 +99,31 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return compiled
 
+    def serialize(self, compiled: xgrammar.CompiledGrammar) -> str:
+        """A compiled constraint as text (xgrammar's JSON), to cross a process boundary."""
+        text: str = compiled.serialize_json()
+        return text
+
+    def deserialize(self, text: str) -> xgrammar.CompiledGrammar:
+        """`serialize`'s text back into a compiled constraint for this tokenizer (cached by
+        the text: a shared schema is read once)."""
+        import xgrammar
+
+        key = f"serialized:{hash(text)}:{len(text)}"
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            self._get_compiler()
+            info = self._info
+        compiled = xgrammar.CompiledGrammar.deserialize_json(text, info)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         if self._compiler is None:
             import xgrammar
@@ -100,6 +133,7 @@ class StructuredOutputs:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None)
+            self._info = info
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -21,7 +23,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ringserve.engine import EngineConfig, LLMEngine
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.async_llm import AsyncLLM, EngineFront
+from ringserve.engine.core_client import CoreClient, EngineStartError
 from ringserve.server.errors import error_response, install_error_handlers
 from ringserve.server.metrics import Metrics
 from ringserve.server.protocol import ErrorResponse
@@ -30,17 +33,27 @@ from ringserve.server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+# Seconds between the engine core's death and this process's exit: the streams it failed
+# write their error events, and /health answers 503 meanwhile.
+CORE_DEATH_EXIT_S = 1.0
 
 
 def _start_engine(state: ServerState) -> None:
-    """Load the model and start the engine loop (runs in a thread)."""
+    """Start the engine (its core process, by default) and its front (runs in a thread)."""
+    args = state.args
     try:
-        engine = LLMEngine(EngineConfig(**state.args.engine_kwargs()))
-        state.model_name = state.args.served_model_name or engine.model_name
-        llm = AsyncLLM(engine, max_waiting=state.args.max_waiting)
-        shapes = parse_shapes(state.args.admission_shapes) if state.args.admission_shapes else []
-        state.metrics = Metrics(state.model_name, llm.stats, engine.kv.spec, shapes,
-                                compat=state.args.metrics_compat)
+        config = EngineConfig(**args.engine_kwargs())
+        llm: EngineFront
+        if args.engine_core == "process":
+            llm = CoreClient.launch(config, log_level=args.log_level,
+                                    max_waiting=args.max_waiting)
+            llm.on_dead = lambda err: _core_died(state, err)
+        else:
+            llm = AsyncLLM(LLMEngine(config), max_waiting=args.max_waiting)
+        state.model_name = args.served_model_name or llm.model_name
+        shapes = parse_shapes(args.admission_shapes) if args.admission_shapes else []
+        state.metrics = Metrics(state.model_name, llm.stats, llm.limits.spec, shapes,
+                                compat=args.metrics_compat)
         llm.on_delta = state.metrics.on_delta
         llm.start()
         state.llm = llm
@@ -49,8 +62,20 @@ def _start_engine(state: ServerState) -> None:
         logger.info("ready: serving %r", state.model_name)
     except Exception as err:
         logger.exception("the engine failed to start")
-        state.error = f"{type(err).__name__}: {err}"
+        state.error = str(err) if isinstance(err, EngineStartError) \
+            else f"{type(err).__name__}: {err}"
         state.phase = Phase.FAILED
+
+
+def _core_died(state: ServerState, err: BaseException) -> None:
+    """The engine core process is gone: say so on /health, and exit non-zero (a supervisor
+    restarts the server) once the failed streams have had a moment to go out."""
+    state.error = str(err)
+    state.phase = Phase.FAILED
+    state.exit_code = 1
+    timer = threading.Timer(CORE_DEATH_EXIT_S, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.daemon = True
+    timer.start()
 
 
 @asynccontextmanager
@@ -69,9 +94,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             None, loader.join, state.args.shutdown_timeout)
         if state.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.llm.shutdown)
-            kv = state.llm.engine.kv.stats()
-            logger.info("stopped: %d KV blocks in use, %d read misses", kv.blocks_used,
-                        kv.read_misses)
+            stats = state.llm.stats()
+            logger.info("stopped: %d KV blocks in use, %d read misses",
+                        stats["kv_blocks_used"], stats["kv_read_misses"])
         else:
             logger.info("stopped")
 

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also export /metrics under another server's names: vllm "
                        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ... for "
                        "gateways and dashboards built for vLLM; docs/metrics.md)")
+    serve.add_argument("--engine-core", choices=["process", "thread"],
+                       default=base.get("engine_core") or "process",
+                       help="where the engine loop runs: process (its own process, beside "
+                       "this HTTP one; its death makes the server exit 1) or thread (in "
+                       f"this process) (default: {base.get('engine_core') or 'process'})")
     serve.add_argument("--debug-kv", action="store_true",
                        help="check every ring read against a shadow (slow; for tests)")
     return parser
@@ -153,7 +158,8 @@ class GracefulServer(uvicorn.Server):
                                   if s not in (signal.SIGTERM, signal.SIGINT)]
 
     def _begin_drain(self) -> None:
-        self.state.phase = Phase.STOPPING
+        if self.state.phase is not Phase.FAILED:  # a dead core's 503 keeps saying why
+            self.state.phase = Phase.STOPPING
         llm = self.state.llm
         running = llm.num_running if llm is not None else 0
         logger.info("draining: %d request(s) in flight get up to %g s to finish",
@@ -188,7 +194,7 @@ def serve(ns: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=int(args.shutdown_timeout)
                             + ABORT_GRACE_S)
     GracefulServer(config, app.state.server, args.shutdown_timeout).run()
-    return 0
+    return int(app.state.server.exit_code)
 
 
 def generate(ns: argparse.Namespace) -> int:

@@ -68,7 +68,8 @@ def to_api_error(err: BaseException) -> APIError:
     if isinstance(err, ModelLoadError):
         return APIError(400, str(err), param="model")
     logger.exception("internal error", exc_info=err)
-    return APIError(500, f"internal error: {type(err).__name__}", code="internal_error")
+    kind = getattr(err, "kind", None) or type(err).__name__  # the core's type, if from there
+    return APIError(500, f"internal error: {kind}", code="internal_error")
 
 
 def _validation_param(errors: list[Any]) -> tuple[str, str | None]:

@@ -1,7 +1,7 @@
 """Prometheus metrics (docs/design.md §7), prefix ``ringserve:``, label ``model_name``.
 
 Gauges and counters are the engine's own, as the engine thread last published them (one
-snapshot a step, `AsyncLLM.stats`), read at scrape time (a collector): they never drift from
+snapshot a step, `EngineFront.stats`), read at scrape time (a collector): they never drift from
 what the engine did and one scrape never mixes two moments; histograms are observed as
 requests end.
 Every layer group takes its blocks from one pool (``kv_blocks_total``). Per window (label
@@ -217,7 +217,7 @@ class Metrics:
 
     Args:
         model_name: the served model name (label ``model_name`` of every series).
-        stats: returns the engine's counters and gauges as one snapshot (`AsyncLLM.stats`:
+        stats: returns the engine's counters and gauges as one snapshot (`EngineFront.stats`:
             one scrape never mixes two moments, and never reads what the engine thread is
             changing).
     """

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from ringserve.engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
-from ringserve.engine.async_llm import AsyncLLM, StreamDelta
-from ringserve.engine.outputs import Request
+from ringserve.engine.async_llm import EngineFront, StreamDelta
+from ringserve.engine.request_check import CheckedRequest
 from ringserve.server.errors import APIError
 from ringserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from ringserve.server.state import ServerState
@@ -74,8 +74,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
         structured_outputs=constraint or structured_outputs(req))
 
 
-def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
-                base_id: str) -> list[Request]:
+def prepare_all(llm: EngineFront, prompts: Sequence[Any], params: SamplingParams,
+                base_id: str) -> list[CheckedRequest]:
     """Check every prompt before any is queued, so a bad one leaves nothing running, and
     the room the request's sequences take in the waiting queue, all of them together."""
     requests = [llm.prepare(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
@@ -83,9 +83,9 @@ def prepare_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
     return requests
 
 
-async def prepare_requests(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingParams,
+async def prepare_requests(llm: EngineFront, prompts: Sequence[Any], params: SamplingParams,
                            base_id: str, *, constraint_param: str | None = None
-                           ) -> list[Request]:
+                           ) -> list[CheckedRequest]:
     """`prepare_all`; under structured outputs in a worker thread (a new schema compiles
     there, not in the event loop), its errors named after the field the constraint came
     from (``constraint_param``: ``response_format``, or ``tools`` whose parameters a
@@ -102,15 +102,15 @@ async def prepare_requests(llm: AsyncLLM, prompts: Sequence[Any], params: Sampli
         raise
 
 
-async def merged(llm: AsyncLLM,
-                 requests: Sequence[Request]) -> AsyncIterator[tuple[int, StreamDelta]]:
+async def merged(llm: EngineFront,
+                 requests: Sequence[CheckedRequest]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Run prepared requests and yield (request index, delta) as they come.
 
     Leaving early (a disconnect) closes every stream, which aborts its engine request.
     """
     queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, request: Request) -> None:
+    async def pump(i: int, request: CheckedRequest) -> None:
         try:
             async for delta in llm.stream(request):
                 await queue.put((i, delta))

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.engine.async_llm import AsyncLLM
+from ringserve.engine.async_llm import EngineFront
 
 
 class Phase(enum.Enum):
@@ -48,6 +48,7 @@ class ServeArgs:
     cache_dir: str | None = None
     admission_shapes: str | None = None  # "256:256,4096:512": admission gauges per shape
     metrics_compat: str | None = None  # "vllm": vLLM's metric names beside ours
+    engine_core: str = "process"  # "process": the engine in its own process; "thread"
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
@@ -66,13 +67,14 @@ class ServeArgs:
 class ServerState:
     args: ServeArgs
     phase: Phase = Phase.STARTING
-    llm: AsyncLLM | None = None
+    llm: EngineFront | None = None
     model_name: str = ""
     error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Any = None
+    exit_code: int = 0  # the process's, once it stops (1: the engine core died)
 
-    def ready_llm(self) -> AsyncLLM:
+    def ready_llm(self) -> EngineFront:
         """The engine front, or a 503 while starting, stopping or after a failed start."""
         from ringserve.server.errors import APIError
 

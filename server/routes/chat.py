@@ -91,7 +91,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: HTTPRequest) 
     llm = state.ready_llm()
     model = check_model(state, req.model)
     req.check_supported()
-    tokenizer = llm.engine.tokenizer
+    tokenizer = llm.tokenizer
     choice = tool_choice(req, state.args.tool_call_parser)
     ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt,
                           None if choice == "none" else req.tools)
@@ -154,7 +154,7 @@ async def _complete(llm: Any, requests: list[Any], rid: str, model: str,
         prompt_tokens, completion_tokens = delta.prompt_tokens, delta.completion_tokens
         records = delta.prompt_logprobs if delta.prompt_logprobs is not None else records
     want = requests[0].params.logprobs is not None
-    tok = llm.engine.tokenizer
+    tok = llm.tokenizer
     choices = []
     for k in sorted(texts):
         message, reason = _message(texts[k], finish[k], tools, harmony)
@@ -183,7 +183,7 @@ async def _stream(llm: Any, requests: list[Any], rid: str, model: str,
                   harmony: bool = False) -> AsyncIterator[str]:
     created = now()
     want = requests[0].params.logprobs is not None
-    tok = llm.engine.tokenizer
+    tok = llm.tokenizer
     started: set[int] = set()
     calls: dict[int, ChoiceCalls] = {}
     readers: dict[int, HarmonyStream] = {}

@@ -124,7 +124,7 @@ async def create_completion(req: CompletionRequest, http: HTTPRequest) -> Any:
     rid = request_id("cmpl")
     requests = await prepare_requests(llm, prompts, params, rid,
                                       constraint_param=_constraint_param(req))
-    echoes = [(r.prompt or llm.engine.tokenizer.decode(r.prompt_token_ids)) if req.echo else ""
+    echoes = [(r.prompt or llm.tokenizer.decode(r.prompt_token_ids)) if req.echo else ""
               for r in requests]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -150,7 +150,7 @@ async def _complete(llm: Any, requests: list[Any], req: CompletionRequest, rid: 
             lps.setdefault(k, []).extend(s.logprobs)
             finish[k] = s.finish_reason or finish.get(k)
         usage[i] = (delta.prompt_tokens, delta.completion_tokens)
-    tok = llm.engine.tokenizer
+    tok = llm.tokenizer
     choices = []
     for k in sorted(texts):
         i = k // n
@@ -182,7 +182,7 @@ async def _stream(llm: Any, requests: list[Any], req: CompletionRequest, rid: st
     created, usage, n = now(), {}, req.n
     want = requests[0].params.logprobs is not None
     echo_logprobs = want and req.echo
-    tok = llm.engine.tokenizer
+    tok = llm.tokenizer
     sent: dict[int, int] = {}  # text offset of the choice's next chunk
     records: dict[int, Records] = {}
     held: dict[int, list[Any]] = {}  # echo + logprobs: a choice's pieces before them

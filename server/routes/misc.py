@@ -34,7 +34,7 @@ async def list_models(http: HTTPRequest) -> ModelList:
     state = http.app.state.server
     llm = state.ready_llm()
     return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
-                                     max_model_len=llm.engine.max_model_len)])
+                                     max_model_len=llm.limits.max_model_len)])
 
 
 @router.get("/health", responses=NOT_READY)
@@ -58,14 +58,14 @@ async def tokenize(req: TokenizeRequest, http: HTTPRequest) -> TokenizeResponse:
     state = http.app.state.server
     llm = state.ready_llm()
     check_model(state, req.model)
-    tokenizer = llm.engine.tokenizer
+    tokenizer = llm.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if req.messages is not None:
         ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
     else:
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    return TokenizeResponse(count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids)
+    return TokenizeResponse(count=len(ids), max_model_len=llm.limits.max_model_len, tokens=ids)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
@@ -73,11 +73,11 @@ async def detokenize(req: DetokenizeRequest, http: HTTPRequest) -> DetokenizeRes
     state = http.app.state.server
     llm = state.ready_llm()
     check_model(state, req.model)
-    vocab = llm.engine.model.config.vocab_size
+    vocab = llm.limits.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-    text: Any = llm.engine.tokenizer.decode(req.tokens)
+    text: Any = llm.tokenizer.decode(req.tokens)
     return DetokenizeResponse(prompt=str(text))
 
 
@@ -93,10 +93,10 @@ async def admission_answer(http: HTTPRequest, prompt_tokens: int | None = None,
         if value is None or value < 1:
             raise APIError(400, f"{name} must be an integer >= 1", param=name)
     assert prompt_tokens is not None and max_tokens is not None
-    limit = llm.engine.max_model_len
+    limit = llm.limits.max_model_len
     if prompt_tokens + max_tokens > limit:
         raise APIError(400, f"prompt_tokens + max_tokens = {prompt_tokens + max_tokens} "
                        f"exceeds max_model_len {limit}", param="max_tokens")
     snapshot = llm.stats()["admission_state"]
-    answer = admission(llm.engine.kv.spec, snapshot, prompt_tokens, max_tokens)
+    answer = admission(llm.limits.spec, snapshot, prompt_tokens, max_tokens)
     return answer.body(snapshot)
