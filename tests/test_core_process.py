@@ -160,6 +160,6 @@ def test_the_core_ignores_ctrl_c_and_goes_with_the_server(ckpt: pathlib.Path,
 
 def test_a_core_that_cannot_start_says_why(ckpt: pathlib.Path, tmp_path: pathlib.Path) -> None:
     flags = [f for f in FLAGS if f not in ("--kv-cache-memory", "4MiB")]
-    with pytest.raises(RuntimeError, match="failed to start: .*cannot hold one sequence"), \
+    with pytest.raises(RuntimeError, match=r"failed to start: .*cannot hold one sequence"), \
             run_server(ckpt, *flags, "--kv-cache-memory", "1KiB", log_dir=tmp_path):
         pass
