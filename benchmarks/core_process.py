@@ -4,11 +4,12 @@ and in a thread of the API process (issue 25's goal: served within 1.05x of offl
     python benchmarks/core_process.py                          # gemma-3-270m, conc 8 and 32
     python benchmarks/core_process.py --concurrency 8 --output-len 64
 
-For each concurrency ``c``: the offline decode step at batch ``c`` (`LLM`, no HTTP, the
-median of ``--steps`` steps after the prompts are in), then a `ringserve serve` for each
-``--engine-core`` with ``2c`` streaming requests, ``c`` in flight (`serve_bench.py`'s
-client). It prints each server's TPOT (median over requests) over the offline step, and
-output tokens a second. Run it alone on the machine; the ratios are within one run.
+For each concurrency ``c``: ``2c`` requests of ``--input-len`` random ids and
+``--output-len`` forced tokens, ``c`` at a time, offline (`LLMEngine.step` in a loop: no
+HTTP, no process boundary) and through a `ringserve serve` for each ``--engine-core``
+(`serve_bench.py`'s streaming client, ``c`` in flight). It prints each one's TPOT (median
+over requests) and the served TPOT over the offline one, and output tokens a second.
+Run it alone on the machine; the ratios are within one run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
+import random
 import signal
 import socket
 import statistics
@@ -35,30 +38,35 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import serve_bench  # noqa: E402
 
 
-def offline_step(model: str, batch: int, context: int, steps: int) -> float:
-    """Median seconds of a decode step at ``batch`` sequences of ``context`` tokens."""
-    from ringserve.engine import LLM, SamplingParams
+class Offline:
+    """The served workload without a server: requests through `LLMEngine.step` in a loop,
+    at most ``c`` running (the scheduler's max_num_seqs, as the client's c in flight)."""
 
-    total = context + steps + 16
-    llm = LLM(model=model, kv_cache_memory="2GiB", max_model_len=max(total, 256),
-              max_num_seqs=batch)
-    engine = llm.engine
-    vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=total - context, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        ids = [(7919 * j + 104729 * i) % (vocab - 10) + 5 for j in range(context)]
-        engine.add_request(f"offline-{i}", {"prompt_token_ids": ids}, params)
-    while engine.scheduler.waiting or any(
-            s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    def __init__(self, model: str, max_len: int, max_seqs: int) -> None:
+        from ringserve.engine import LLM
+
+        self.engine = LLM(model=model, kv_cache_memory="2GiB", max_model_len=max_len,
+                          max_num_seqs=max_seqs).engine
+        self.ids = itertools.count()
+
+    def run(self, concurrency: int, input_len: int, output_len: int) -> tuple[float, float]:
+        """(TPOT median over ``2c`` requests in seconds, output tokens a second)."""
+        from ringserve.engine import SamplingParams
+
+        engine = self.engine
+        engine.scheduler.max_num_seqs = concurrency
+        rng = random.Random(0)
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        requests = [engine.add_request(f"o{next(self.ids)}", {"prompt_token_ids": [
+            rng.randint(100, 5000) for _ in range(input_len)]}, params)
+            for _ in range(2 * concurrency)]
+        while engine.has_unfinished:
+            engine.step()
+        duration = time.perf_counter() - start
+        tpots = [(s.last_token_time - s.first_token_time) / (s.num_output_tokens - 1)
+                 for s in (r.seqs[0] for r in requests)]
+        return statistics.median(tpots), 2 * concurrency * output_len / duration
 
 
 @contextlib.contextmanager
@@ -106,26 +114,39 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=96)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of offline, process, thread (interleaved: the machine's "
+                    "noise falls on all three); medians reported")
     args = ap.parse_args()
-    rows = []
-    for c in args.concurrency:
-        step = offline_step(args.model, c, args.input_len + args.output_len // 2, args.steps)
-        row = {"c": c, "offline": step}
-        for mode in ("process", "thread"):
-            with server(args.model, mode, max(c, 8)) as url:
-                row[mode] = served(url, c, args.input_len, args.output_len)
-        rows.append(row)
+    top = max(max(args.concurrency), 8)
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    base = Offline(args.model, args.input_len + args.output_len + 8, top)
+    with server(args.model, "process", top) as process_url, \
+            server(args.model, "thread", top) as thread_url:
+        for _ in range(args.repeats):
+            for c in args.concurrency:
+                runs.setdefault(("offline", c), []).append(
+                    base.run(c, args.input_len, args.output_len))
+                for mode, url in (("process", process_url), ("thread", thread_url)):
+                    runs.setdefault((mode, c), []).append(
+                        served(url, c, args.input_len, args.output_len))
     print(f"\n{args.model}, {os.cpu_count()} CPUs; input {args.input_len}, output "
-          f"{args.output_len}; TPOT median over requests / offline step at the same batch")
-    print("| conc | offline step | process TPOT (x) tok/s | thread TPOT (x) tok/s |")
+          f"{args.output_len}, 2c requests c at a time, {args.repeats} interleaved rounds; "
+          "TPOT median over requests (x: over offline), output tok/s; medians of rounds")
+    print("| conc | offline TPOT, tok/s | core process TPOT (x), tok/s | "
+          "thread TPOT (x), tok/s |")
     print("|---|---|---|---|")
-    for row in rows:
-        cells = [f"{row['offline'] * 1e3:.1f} ms"]
-        for mode in ("process", "thread"):
-            tpot, tps = row[mode]
-            cells.append(f"{tpot * 1e3:.1f} ms ({tpot / row['offline']:.2f}x) {tps:.1f}")
-        print(f"| {row['c']} | " + " | ".join(cells) + " |")
+    for c in args.concurrency:
+        cells = []
+        off = statistics.median(t for t, _ in runs[("offline", c)])
+        for mode in ("offline", "process", "thread"):
+            tpot = statistics.median(t for t, _ in runs[(mode, c)])
+            tps = statistics.median(x for _, x in runs[(mode, c)])
+            ratio = "" if mode == "offline" else f" ({tpot / off:.2f}x)"
+            cells.append(f"{tpot * 1e3:.1f} ms{ratio}, {tps:.1f}")
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    print("rounds (TPOT ms):", {f"{m}@{c}": [round(t * 1e3, 1) for t, _ in v]
+                                for (m, c), v in runs.items()})
 
 
 if __name__ == "__main__":

@@ -195,12 +195,20 @@ class EngineFront:
         self._snapshot = MappingProxyType(stats)
 
     def _deliver(self, request_id: str, item: StreamDelta | BaseException) -> None:
-        if self.on_delta is not None and isinstance(item, StreamDelta):
-            self.on_delta(item)
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, StreamDelta | BaseException]]) -> None:
+        """Route a turn's output to its streams: one wake-up of each event loop for all of
+        it (32 streams a step were 32 wake-ups of the server's loop)."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for request_id, item in items:
+            if self.on_delta is not None and isinstance(item, StreamDelta):
+                self.on_delta(item)
+            target = self._streams.get(request_id)
+            if target is not None:
+                puts.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in puts.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, err: BaseException) -> None:
         for request_id in list(self._streams):
@@ -251,20 +259,29 @@ class AsyncLLM(EngineFront):
         self._fail_all(EngineDeadError("the engine shut down"))
 
 
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)
+
+
 class _ThreadSink:
-    """The loop's output straight into the front's queues (same process)."""
+    """The loop's output into the front's queues (same process), a turn at a time; each
+    snapshot is published at once, so it is never older than the deltas delivered."""
 
     def __init__(self, front: EngineFront) -> None:
         self.front = front
+        self._items: list[tuple[str, StreamDelta | BaseException]] = []
 
     def send(self, request_id: str, item: StreamDelta | BaseException) -> None:
-        self.front._deliver(request_id, item)
+        self._items.append((request_id, item))
 
     def publish(self, stats: dict[str, Any]) -> None:
         self.front._set_snapshot(stats)
 
     def flush(self) -> None:
-        pass
+        if self._items:
+            items, self._items = self._items, []
+            self.front._deliver_all(items)
 
 
 class QueueFullError(RuntimeError):

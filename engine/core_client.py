@@ -129,14 +129,16 @@ class CoreClient(EngineFront):
             except (EOFError, OSError):
                 break
             if message[0] == "out":
+                items: list[tuple[str, StreamDelta | BaseException]] = []
                 for entry in message[1]:
-                    if entry[0] == "stats":
+                    if entry[0] == "stats":  # at once: never older than what is delivered
                         self._set_snapshot(entry[1])
                     elif entry[0] == "delta":
-                        self._deliver(entry[1].request_id, entry[1])
+                        items.append((entry[1].request_id, entry[1]))
                     else:
                         wire: WireError = entry[2]
-                        self._deliver(entry[1], wire.rebuild())
+                        items.append((entry[1], wire.rebuild()))
+                self._deliver_all(items)
             elif message[0] == "dead":
                 self._died(message[1])
                 return
