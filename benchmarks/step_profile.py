@@ -3,6 +3,7 @@
     python benchmarks/step_profile.py --batch 8                  # gemma-3-270m, dtype auto
     python benchmarks/step_profile.py --batch 32 --context 400 --shapes
     python benchmarks/step_profile.py --batch 1 --quantization int8
+    python benchmarks/step_profile.py --batch 32 --packed-head-rows 16
 
 Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
 (median and fastest) and prints the profiler's table of one more batch of steps, so the
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--packed-head-rows", type=int, default=None,
+                    help="as `ringserve serve --packed-head-rows`")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
@@ -43,7 +46,8 @@ def main() -> None:
     total = args.context + args.steps + args.profile_steps + 8
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kv_cache_memory="2GiB",
-              max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1))
+              max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
+              packed_head_rows=args.packed_head_rows)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=total - args.context, temperature=0.0, ignore_eos=True)

@@ -37,6 +37,9 @@ class EngineConfig:
             from this machine's steps) within this factor of a decode-only step: arriving
             prompts then slow running streams' TPOT by at most that much (at least one
             block of prefill a step). None = no cap (chunks fill max_num_batched_tokens).
+        packed_head_rows: steps of at least this many rows multiply a quantized output
+            head by a bf16 copy packed for oneDNN (its bytes are logged; AVX-512 or AMX
+            CPUs); None = the quantized head for every step.
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
         enable_prefix_caching: reuse the K/V of prompt prefixes computed before (vLLM's
@@ -61,6 +64,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
+    packed_head_rows: int | None = None
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -80,6 +84,8 @@ class EngineConfig:
             ("max_prefill_slowdown",
              self.max_prefill_slowdown is None or self.max_prefill_slowdown > 1.0,
              "must be > 1 (or None: no cap)"),
+            ("packed_head_rows", self.packed_head_rows is None or self.packed_head_rows >= 1,
+             "must be >= 1 (or None: off)"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),
         ]

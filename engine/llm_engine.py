@@ -27,6 +27,7 @@ from ringserve.engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_k
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
+from ringserve.engine.models.quant_linear import pack_head_copy
 from ringserve.engine.outputs import Request
 from ringserve.engine.request_check import (
     CheckedRequest,
@@ -86,6 +87,12 @@ class LLMEngine:
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config, quantization=self.quantization,
                                 int16_activations=self.int16_activations)
+        if config.packed_head_rows is not None:
+            try:
+                logger.info("%s", pack_head_copy(self.model, config.packed_head_rows,
+                                                 self.dtype))
+            except ValueError as err:
+                raise InvalidRequestError(str(err), param="packed_head_rows") from None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
         if self.device.type == "cpu":

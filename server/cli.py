@@ -41,6 +41,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-num-batched-tokens", int, "tokens per engine step"),
     ("max-prefill-slowdown", float, "while streams decode, prefill chunks keep a step within "
      "this factor of a decode-only step (e.g. 2; default: no cap)"),
+    ("packed-head-rows", int, "steps of at least this many rows multiply a quantized "
+     "output head by a bf16 copy packed for oneDNN (faster for large batches; costs "
+     "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: off)"),
     ("max-model-len", int, "prompt + output tokens at most"),
     ("max-waiting", int, "waiting sequences before 429"),
     ("api-key", str, "require 'Authorization: Bearer KEY' on /v1 routes"),

@@ -35,6 +35,7 @@ class ServeArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
+    packed_head_rows: int | None = None
     max_model_len: int | None = None
     max_waiting: int | None = 256
     api_key: str | None = None
@@ -58,6 +59,7 @@ class ServeArgs:
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     max_prefill_slowdown=self.max_prefill_slowdown,
+                    packed_head_rows=self.packed_head_rows,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,
                     enable_prefix_caching=self.enable_prefix_caching,
                     cache_dir=self.cache_dir, speculative_config=self.speculative_config)

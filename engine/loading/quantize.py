@@ -246,7 +246,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             for tensor in [*moe.linears.parameters(), *moe.linears.buffers()]:
                 share[id(tensor)] = moe.top_k / moe.num_experts
     for module in model.modules():
-        skip = module.packed if isinstance(module, PackedLinear) else None
+        # a packed copy beside a plain or quantized weight: the decode path reads the other
+        skip = module.packed if isinstance(module, (PackedLinear, QuantLinear)) else None
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if tensor is None or id(tensor) in seen:
                 continue

@@ -1,0 +1,103 @@
+"""``--packed-head-rows``: a quantized output head's packed bf16 copy for large steps.
+
+References: a float64 matmul of the dequantized weight (rounded to bf16, the copy's
+weight) for the layer; transformers running the same quantized weights for the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from ringserve.engine import LLM, InvalidRequestError
+from ringserve.engine.loading import load_model
+from ringserve.engine.loading.quantize import weight_bytes
+from ringserve.engine.models import quant_linear
+from ringserve.engine.models.packed_linear import can_pack
+from ringserve.engine.models.quant_linear import QuantLinear, pack_head_copy
+from ringserve.kernels import cpu_isa
+from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
+from tests.model_harness import RingHarness
+from tests.test_quant import assert_as_close_as_bf16, transformers_with
+from tests.tiny_models import B, W, make_checkpoint, random_tokens
+
+packs = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")),
+    reason="oneDNN bf16 packing needs AVX-512 (avx512bw/vl/dq) or AMX on this CPU")
+
+
+def _no_quantized_call_at(layer: QuantLinear, rows: int,
+                          monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the quantized kernel fail for ``layer`` in steps of ``rows`` or more; the rows
+    it ran for ``layer``."""
+    seen: list[int] = []
+    real = quant_linear.cpu_quant.quant_linear
+
+    def guarded(x: torch.Tensor, qw: object, *args: object) -> torch.Tensor:
+        if qw is layer.qw:
+            assert x.shape[0] < rows, f"the quantized head ran {x.shape[0]} rows"
+            seen.append(x.shape[0])
+        return real(x, qw, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_linear.cpu_quant, "quant_linear", guarded)
+    return seen
+
+
+@packs
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_large_steps_multiply_by_the_packed_copy(kind: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(300, 128) * 0.1
+    qw = quantize_int8(weight, 32) if kind == "int8" else quantize_int4(weight, 32)
+    layer = QuantLinear(qw, None)
+    assert layer.add_packed_copy(16) == 300 * 128 * 2
+    seen = _no_quantized_call_at(layer, 16, monkeypatch)
+    exact, rounded = dequantize(qw).double(), dequantize(qw, torch.bfloat16).double()
+    for rows in (1, 15, 16, 40):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        out = layer(x)
+        dense = rounded if rows >= 16 else exact  # the copy holds the weight in bf16
+        ref = x.double() @ dense.T
+        bound = ref.abs() * 2**-8 + (x.double().abs() @ dense.abs().T) * 2**-16 + 1e-6
+        assert bool(((out.double() - ref).abs() <= bound).all()), rows
+    assert seen == ([1, 15] if layer.kernel else [])
+
+
+@packs
+def test_a_model_with_the_packed_head_is_as_close_to_transformers(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    ids = random_tokens(160, seed=5)
+    with torch.no_grad():
+        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.bfloat16, quantization="int8")
+    before = weight_bytes(model)
+    message = pack_head_copy(model, 2, torch.bfloat16)
+    after = weight_bytes(model)
+    head = model.lm_head
+    assert after.resident - before.resident == head.out_features * head.in_features * 2
+    assert after.per_token == before.per_token  # a decode step reads one of the two
+    assert f"+{head.out_features * head.in_features * 2 / 2**20:.1f} MiB" in message
+    seen = _no_quantized_call_at(head, 2, monkeypatch)
+    got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
+    assert_as_close_as_bf16(path, ids, got, expected)
+    assert 1 in seen  # the one-row steps kept the quantized head
+
+
+def test_the_flag_says_where_it_cannot_work(tmp_path: pathlib.Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    with pytest.raises(InvalidRequestError, match="quantized output head") as err:
+        LLM(str(path), dtype="float32", quantization="none", packed_head_rows=16,
+            kv_cache_memory="4MiB", max_model_len=64)
+    assert err.value.param == "packed_head_rows"
+    real = cpu_isa.info()  # as an AVX2-only CPU runs (the conftest's cpu_variant way)
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
+    with pytest.raises(InvalidRequestError, match="packs bf16") as err:
+        LLM(str(path), dtype="bfloat16", quantization="int8", packed_head_rows=16,
+            kv_cache_memory="4MiB", max_model_len=64)
+    assert err.value.param == "packed_head_rows"
