@@ -58,7 +58,14 @@ $(LLAMACPP_CONVERT): $(VENV)/.stamp-base
 serve: $(VENV)/.stamp-base $(VENV)/.stamp-models
 	$(VENV)/bin/ringserve serve $(ARGS)
 
-test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian $(LLAMACPP_CONVERT)
+# vLLM's KV-event classes, out of its wheel (tests/test_kv_events.py decodes with them)
+VLLM_KV_EVENTS := .cache/peers/vllm-kv-events/0.32.0/kv_events.py
+$(VLLM_KV_EVENTS): $(VENV)/.stamp-base
+	$(PY) benchmarks/peers/setup_vllm.py --kv-events-module
+	test -f $@ && touch $@
+
+test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian $(LLAMACPP_CONVERT) \
+		$(VLLM_KV_EVENTS)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-test

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ringserve.block_manager.budget import (
     AdmissionState,
@@ -348,6 +349,20 @@ class KVCacheManager:
             mappings.append([slot])
         return mappings
 
+    def enable_events(self) -> None:
+        """Record KV events from now on (`take_events`)."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    def take_events(self) -> list[tuple[Any, ...]]:
+        """The cache's events since the last call, oldest first: ``("stored", (group,
+        name), (parent, tokens))`` and ``("removed", (group, name))``."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
     def commit(self) -> None:
         """The step's K/V are written: make the blocks it filled findable by their names."""
         self.prefix.commit()
@@ -512,7 +527,10 @@ class KVCacheManager:
             name = state.chain[k]
             for p in range(k * b, start):  # written before the block had a name
                 self._shadow[block * b + p % b] = (group, name, p)
-            self.prefix.queue(block, group, name)
+            meta = None
+            if self.pool.events is not None:  # KV events: the parent's name, the tokens
+                meta = (state.chain[k - 1] if k else None, state.tokens[k * b : (k + 1) * b])
+            self.prefix.queue(block, group, name, meta)
 
     def _forget_block(self, block: int) -> None:
         b = self.spec.block_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Hashable
+from typing import Any
 
 
 class BlockPoolError(RuntimeError):
@@ -30,7 +31,7 @@ class BlockPool:
     """
 
     __slots__ = ("_cached", "_evictable", "_free", "_key", "_parked", "_ref", "_ring",
-                 "evictions", "full_refs", "num_blocks", "num_used", "ring_exclusive")
+                 "events", "evictions", "full_refs", "num_blocks", "num_used", "ring_exclusive")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -47,6 +48,9 @@ class BlockPool:
         self.full_refs = 0
         self.ring_exclusive = 0
         self.evictions = 0
+        # KV events (`engine.kv_events`), when on: ("stored", key, meta) as a block becomes
+        # findable, ("removed", key) as its key is evicted; the engine takes them each step.
+        self.events: list[tuple[Any, ...]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -77,9 +81,12 @@ class BlockPool:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._key[block]]
+            key = self._key[block]
+            del self._cached[key]
             self._key[block] = None
             self.evictions += 1
+            if self.events is not None:
+                self.events.append(("removed", key))
         else:
             raise BlockPoolError(f"no free block left (all {self.num_blocks} in use)")
         self._ring[block] = ring
@@ -136,16 +143,18 @@ class BlockPool:
                 self._free.append(block)
         self._parked.clear()
 
-    def register(self, block: int, key: Hashable) -> bool:
+    def register(self, block: int, key: Hashable, meta: Any = None) -> bool:
         """Make a full block in use (or parked) findable under ``key``; False if another
         block already holds that key (the same tokens computed twice) or this one holds a
-        key."""
+        key. ``meta`` goes into the KV event (its parent's name and its tokens)."""
         if key in self._cached or self._key[block] is not None:
             return False
         if not self._ref[block] and block not in self._parked:
             return False
         self._cached[key] = block
         self._key[block] = key
+        if self.events is not None:
+            self.events.append(("stored", key, meta))
         return True
 
     def lookup(self, key: Hashable) -> int | None:

@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from ringserve.block_manager.budget import KVCacheSpec
 from ringserve.block_manager.pool import BlockPool
@@ -114,7 +115,7 @@ class PrefixIndex:
         self.queries = 0  # prompt tokens looked up at admission
         self.hits = 0  # of those, found cached
         self._promised: dict[bytes, int] = {}
-        self._pending: list[tuple[int, tuple[int, bytes]]] = []
+        self._pending: list[tuple[int, tuple[int, bytes], Any]] = []
 
     def chain(self, prompt_ids: list[int]) -> list[bytes]:
         """The names of the prompt's full blocks (a sequence computes them once: `find`
@@ -150,12 +151,12 @@ class PrefixIndex:
             else:
                 del self._promised[name]
 
-    def queue(self, block: int, group: int, name: bytes) -> None:
-        self._pending.append((block, (group, name)))
+    def queue(self, block: int, group: int, name: bytes, meta: Any = None) -> None:
+        self._pending.append((block, (group, name), meta))
 
     def commit(self) -> None:
-        for block, key in self._pending:
-            self.pool.register(block, key)
+        for block, key, meta in self._pending:
+            self.pool.register(block, key, meta)
         self._pending.clear()
         self.pool.unpark()
 

@@ -244,6 +244,7 @@ class AsyncLLM(EngineFront):
         self._loop.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()
 
     def _command(self, kind: str, payload: Any) -> None:
         self._loop.put(kind, payload)

@@ -40,6 +40,10 @@ class EngineConfig:
         packed_head_rows: steps of at least this many rows multiply a quantized output
             head by a bf16 copy packed for oneDNN (its bytes are logged; AVX-512 or AMX
             CPUs); None = the quantized head for every step.
+        kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
+            ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
+            cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
+            (`engine.kv_events`); None = off.
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
         enable_prefix_caching: reuse the K/V of prompt prefixes computed before (vLLM's
@@ -65,6 +69,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
+    kv_events_config: str | dict[str, Any] | None = None
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True

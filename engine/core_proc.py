@@ -123,6 +123,7 @@ def core_main(config: EngineConfig, commands: Connection, outputs: Connection,
         logger.exception("engine loop died")
         outputs.send(("dead", f"engine loop died: {err!r}"))
         raise SystemExit(1) from None
+    engine.close()
     outputs.send(("bye",))
 
 

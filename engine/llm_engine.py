@@ -24,6 +24,13 @@ from ringserve.engine.cpu_threads import apply_threads
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.engine.kv_cache import allocate_kv_caches, kv_cache_spec, model_kv_sources
+from ringserve.engine.kv_events import (
+    ALL_BLOCKS_CLEARED,
+    KVEventsConfig,
+    ZmqPublisher,
+    block_removed,
+    block_stored,
+)
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
@@ -135,6 +142,12 @@ class LLMEngine:
                 f"{self.max_model_len} tokens ({self.capacity.description}); raise "
                 "kv_cache_memory or lower max_model_len", param="kv_cache_memory")
         logger.info("%s; %s", describe(spec, num_blocks, memory), self.capacity.description)
+        self.kv_events: ZmqPublisher | None = None
+        events = KVEventsConfig.parse(config.kv_events_config)
+        if events is not None:
+            self.kv.enable_events()
+            self.kv_events = ZmqPublisher(events)
+            self.kv_events.publish([ALL_BLOCKS_CLEARED])  # a new life: nothing is cached
         self.limits = RequestLimits(mcfg.vocab_size, self.max_model_len, spec, num_blocks,
                                     self.capacity.description)
         self.checker = RequestChecker(self.tokenizer, self.limits, self.structured)
@@ -197,13 +210,21 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one scheduled step; returns the requests it changed.
+        """Run one scheduled step; returns the requests it changed (and publishes the KV
+        events it made, `--kv-events-config`).
 
         Faults stay small (docs/design.md §4): an error while sampling or emitting one
         sequence's token (its logits processing, grammar, stop strings, detokenization)
         aborts that request with the error and no other (`_sample_apart`); only an error in
         the model's forward, which no one request owns, aborts the step's requests.
         """
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self._publish_kv_events()
+
+    def _step(self) -> list[Request]:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
@@ -342,6 +363,29 @@ class LLMEngine:
         if request.finished:
             self._retire(request)
         return True
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None
+        raw = self.kv.take_events()
+        if not raw:
+            return
+        groups = self.kv.spec.groups
+        b = self.kv.spec.block_size
+        out = []
+        for event in raw:
+            group, name = event[1]
+            if event[0] == "stored":
+                parent, tokens = event[2]
+                out.append(block_stored(name, parent, tokens, b, group, groups[group].window))
+            else:
+                out.append(block_removed(name, group))
+        self.kv_events.publish(out)
+
+    def close(self) -> None:
+        """Let go of what outlives a step: the KV-event publisher's socket."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

