@@ -11,8 +11,13 @@ with prefix caching on, one with it off, same pool (``--kv-cache-memory``).
     .venv/bin/python benchmarks/multiturn.py                      # ~minutes on 2 cores
     .venv/bin/python benchmarks/multiturn.py --sessions 16 --turns 6 --kv-cache-memory 32MiB
 
-vLLM is not run here (its CPU build lives in `make bench-peers`' venv); the same workload
-against it is the comparison issue 26 asks for. Writes benchmarks/results/multiturn.md.
+    .venv/bin/python benchmarks/multiturn.py --vllm               # and vLLM's CPU build
+
+``--vllm`` runs the same sessions against vLLM's CPU build (`make bench-peers`' venv,
+`benchmarks/peers/setup_vllm.py`) with the same KV bytes (``--kv-cache-memory-bytes``),
+``--max-num-seqs`` and prefix caching on (its default), its hit rate read from
+``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total`` (tokens, as ours).
+Writes benchmarks/results/multiturn.md.
 """
 
 from __future__ import annotations
@@ -33,9 +38,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import prefix_cache as pc
 import serve_bench
 import servers
+import setup_vllm
+from model_files import hf_folder
+
+VLLM_SERIES = {pc.HITS: "vllm:prefix_cache_hits_total",
+               pc.QUERIES: "vllm:prefix_cache_queries_total"}
 
 
-async def sessions(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def scrape(client: httpx.AsyncClient, url: str, vllm: bool) -> dict[str, float | None]:
+    """Our three series, under vLLM's names for vLLM (it has no read-miss counter)."""
+    if not vllm:
+        return await pc.scrape(client, url)
+    r = await client.get(f"{url}/metrics")
+    r.raise_for_status()
+    out = {ours: pc.parse_counter(r.text, theirs) for ours, theirs in VLLM_SERIES.items()}
+    return {**out, pc.READ_MISSES: None}
+
+
+async def sessions(url: str, args: argparse.Namespace, vllm: bool = False
+                   ) -> list[dict[str, Any]]:
     """Every session's turns, the sessions of one turn sent at once; per turn its stats."""
     prompts = [pc.random_ids(10_000 + s, args.first_turn) for s in range(args.sessions)]
     rows = []
@@ -43,12 +64,12 @@ async def sessions(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=pc.REQUEST_TIMEOUT, limits=limits) as client:
         await serve_bench.one_request(client, url, pc.MODEL, pc.random_ids(1, 16), 4)
         for turn in range(args.turns):
-            before = await pc.scrape(client, url)
+            before = await scrape(client, url, vllm)
             start = time.perf_counter()
             results = await asyncio.gather(*(serve_bench.one_request(
                 client, url, pc.MODEL, p, args.output) for p in prompts))
             wall = time.perf_counter() - start
-            after = await pc.scrape(client, url)
+            after = await scrape(client, url, vllm)
             ttft = [1000 * r.ttft for r in results if r.ok]
             rows.append({"turn": turn, "prompt_tokens": len(prompts[0]),
                          "ok": len(ttft), "wall_s": wall,
@@ -64,12 +85,29 @@ async def sessions(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(setting: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    if setting == "vllm":
+        return run_vllm(args)
     argv = pc.server_argv(setting, f"--kv-cache-memory {args.kv_cache_memory} "
                           f"--max-num-seqs {args.sessions} {args.server_args}", True)
     row = servers.Row(name=f"ringserve caching {setting}", kind="ringserve", weights="auto",
                       command=lambda: argv, start_timeout=pc.START_TIMEOUT)
     with servers.Server(row):
         return asyncio.run(sessions(servers.URL, args))
+
+
+def run_vllm(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ringserve.block_manager.budget import parse_size
+
+    base = servers.vllm_row(hf_folder)
+    extra = ["--kv-cache-memory-bytes", str(parse_size(args.kv_cache_memory)),
+             "--max-num-seqs", str(args.sessions)]
+    # NOTE: VLLM_CPU_KVCACHE_SPACE (GiB) would override the bytes: left empty here.
+    row = servers.Row(name="vLLM caching on", kind="vllm", weights="bfloat16",
+                      command=lambda: [*base.command(), *extra],
+                      env=lambda: {**setup_vllm.server_env(), "VLLM_CPU_KVCACHE_SPACE": ""},
+                      start_timeout=base.start_timeout)
+    with servers.Server(row):
+        return asyncio.run(sessions(servers.URL, args, vllm=True))
 
 
 def main() -> None:
@@ -83,20 +121,28 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="48MiB",
                         help="smaller than the sessions' working set: evictions happen")
     parser.add_argument("--server-args", default="")
+    parser.add_argument("--vllm", action="store_true", help="vLLM's CPU build too")
     args = parser.parse_args()
-    runs = {s: run(s, args) for s in ("on", "off")}
+    runs = {s: run(s, args) for s in ("on", "off", *(["vllm"] if args.vllm else []))}
     lines = [f"`benchmarks/multiturn.py`: {args.sessions} sessions x {args.turns} turns, "
              f"turn 0 {args.first_turn} tokens, +{args.answer + args.user} a turn, "
              f"{args.output} output tokens, KV pool {args.kv_cache_memory}; "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              "| turn | prompt tokens | hit rate (on) | TTFT p50 / p99 ms (on) | "
-             "TTFT p50 / p99 ms (off) | p50 off / on |", "|---|---|---|---|---|---|"]
-    for on, off in zip(runs["on"], runs["off"], strict=True):
+             "TTFT p50 / p99 ms (off) | p50 off / on |"
+             + (" vLLM hit rate | vLLM TTFT p50 / p99 ms |" if args.vllm else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if args.vllm else "")]
+    for i, (on, off) in enumerate(zip(runs["on"], runs["off"], strict=True)):
         ratio = off["ttft_p50_ms"] / on["ttft_p50_ms"] if on["ttft_p50_ms"] else 0.0
-        lines.append(f"| {on['turn']} | {on['prompt_tokens']} | {on['hit_rate']:.2f} | "
-                     f"{on['ttft_p50_ms']:.0f} / {on['ttft_p99_ms']:.0f} | "
-                     f"{off['ttft_p50_ms']:.0f} / {off['ttft_p99_ms']:.0f} | {ratio:.2f}x |")
-    misses = [r["read_misses"] for rs in runs.values() for r in rs]
+        line = (f"| {on['turn']} | {on['prompt_tokens']} | {on['hit_rate']:.2f} | "
+                f"{on['ttft_p50_ms']:.0f} / {on['ttft_p99_ms']:.0f} | "
+                f"{off['ttft_p50_ms']:.0f} / {off['ttft_p99_ms']:.0f} | {ratio:.2f}x |")
+        if args.vllm:
+            v = runs["vllm"][i]
+            line += (f" {v['hit_rate']:.2f} | {v['ttft_p50_ms']:.0f} / "
+                     f"{v['ttft_p99_ms']:.0f} |")
+        lines.append(line)
+    misses = [r["read_misses"] for k, rs in runs.items() if k != "vllm" for r in rs]
     lines += ["", f"read misses: {max(m or 0 for m in misses):.0f}"]
     text = "\n".join(lines)
     print(text)

@@ -164,6 +164,14 @@ class KVCacheManager:
             if self.caching and prompt_ids else None
         return self._fits(self.reservation(prompt_len, max_tokens), hit)
 
+    def cached_prompt_tokens(self, prompt_ids: list[int],
+                             chain: list[bytes] | None = None) -> int:
+        """Prompt tokens a sequence admitted now would find cached (0 without caching)."""
+        if not self.caching:
+            return 0
+        return self.prefix.find(prompt_ids, len(prompt_ids), chain)[1].num_blocks \
+            * self.spec.block_size
+
     def waits_for_prefix(self, prompt_ids: list[int],
                          chain: list[bytes] | None = None) -> bool:
         """True if a running sequence is computing the prompt's next block after its

@@ -44,6 +44,9 @@ class EngineConfig:
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
             (`engine.kv_events`); None = off.
+        scheduling_policy: "fcfs" (admit in arrival order) or "lpm" (with prefix
+            caching: first the waiting prompt that finds the most tokens cached, never
+            passing one over more than 8 times; SGLang's longest prefix match).
         max_model_len: prompt + output tokens at most; None = the model's limit.
         seed: the global seed for unseeded sampling.
         enable_prefix_caching: reuse the K/V of prompt prefixes computed before (vLLM's
@@ -69,6 +72,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
+    scheduling_policy: str = "fcfs"
     kv_events_config: str | dict[str, Any] | None = None
     max_model_len: int | None = None
     seed: int = 0
@@ -89,6 +93,8 @@ class EngineConfig:
             ("max_prefill_slowdown",
              self.max_prefill_slowdown is None or self.max_prefill_slowdown > 1.0,
              "must be > 1 (or None: no cap)"),
+            ("scheduling_policy", self.scheduling_policy in ("fcfs", "lpm"),
+             "must be fcfs or lpm"),
             ("packed_head_rows", self.packed_head_rows is None or self.packed_head_rows >= 1,
              "must be >= 1 (or None: off)"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,

@@ -101,8 +101,10 @@ def core_main(config: EngineConfig, commands: Connection, outputs: Connection,
     """The core process: build the engine, then serve the commands until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # NOTE: the API process's format: start-up lines read the same whichever process logs
+    # them (benchmarks/peers/servers.py reads the dtype and weight bytes from them).
     logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ringserve.engine.llm_engine import LLMEngine
 
     try:

@@ -122,7 +122,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_slowdown=config.max_prefill_slowdown,
-                                   speculative=self.speculative)
+                                   speculative=self.speculative,
+                                   policy=config.scheduling_policy)
         self.accepted_per_position = [0] * k  # drafts kept at each position of a run
         self.planner = StepPlanner(self.kv, config.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, windows=[g.window for g in spec.groups],

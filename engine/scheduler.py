@@ -7,6 +7,7 @@ gets its next block and nothing is ever preempted.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,6 +18,12 @@ from ringserve.engine.prefill_cost import PrefillCost
 from ringserve.engine.sequence import Sequence, SequenceStatus
 
 PROBE_BLOCKS = 4  # a first prompt chunk beside decodes, before prompt tokens' cost is known
+# --scheduling-policy: fcfs (vLLM's default) admits in arrival order; lpm (SGLang's longest
+# prefix match) admits first the waiting prompt that finds the most tokens cached, so that
+# under memory pressure a session whose blocks survived runs before a miss evicts them.
+POLICIES = ("fcfs", "lpm")
+LPM_WINDOW = 16  # waiting sequences an lpm choice compares (each costs a prefix lookup)
+LPM_MAX_PASSES = 8  # admissions that may pass a waiting sequence over before it goes next
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,11 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_prefill_slowdown: float | None = None,
-                 speculative: spec_decode.SpeculativeConfig | None = None) -> None:
+                 speculative: spec_decode.SpeculativeConfig | None = None,
+                 policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
+        self.policy = policy
         self.kv = kv
         self.speculative = speculative
         self.step_cost = spec_decode.StepCost()
@@ -102,19 +113,19 @@ class Scheduler:
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and share.left()):
-            seq = self.waiting[0]
+            at = self._next_waiting()
+            seq = self.waiting[at]
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            # prompt logprobs need the logits of every prompt position: no cached prefix
-            reuse = seq.prompt_logprobs_k is None
-            if seq.prompt_chain is None:  # its blocks' names: hashed once, not every step
-                seq.prompt_chain = self.kv.prompt_chain(prompt)
-            chain = seq.prompt_chain
-            # FCFS: the head waits for room, or for a running sequence to finish computing
-            # the prefix it shares (then it reuses it); later ones do not jump it.
+            reuse = _reuses(seq)
+            chain = self._chain(seq)
+            # The next one (FCFS: the head) waits for room, or for a running sequence to
+            # finish computing the prefix it shares (then it reuses it); others do not jump it.
             if (reuse and self.kv.waits_for_prefix(prompt, chain)) or not self.kv.can_admit(
                     seq.num_prompt_tokens, seq.max_tokens, prompt, reuse=reuse, chain=chain):
                 break
-            self.waiting.popleft()
+            for passed in itertools.islice(self.waiting, at):
+                passed.times_passed += 1
+            del self.waiting[at]
             seq.num_computed = self.kv.admit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens,
                                              prompt, reuse=reuse, chain=chain)
             seq.prompt_chain = None  # the manager keeps its own copy from here
@@ -127,6 +138,28 @@ class Scheduler:
                 out.append(ScheduledSeq(seq, n))
                 budget -= n
         return SchedulerOutput(out)
+
+    def _chain(self, seq: Sequence) -> list[bytes] | None:
+        if seq.prompt_chain is None:  # its blocks' names: hashed once, not every step
+            seq.prompt_chain = self.kv.prompt_chain(seq.token_ids[: seq.num_prompt_tokens])
+        return seq.prompt_chain
+
+    def _next_waiting(self) -> int:
+        """The waiting sequence to admit next, by its index in the queue: the head (fcfs),
+        or (lpm, with prefix caching) of the first `LPM_WINDOW` the one whose prompt finds
+        the most tokens cached, the earliest on a tie; one passed over `LPM_MAX_PASSES`
+        times goes next whatever it finds (nothing waits for ever behind cached ones)."""
+        if self.policy == "fcfs" or not self.kv.caching or len(self.waiting) == 1:
+            return 0
+        best, most = 0, -1
+        for i, seq in enumerate(itertools.islice(self.waiting, LPM_WINDOW)):
+            if seq.times_passed >= LPM_MAX_PASSES:
+                return i
+            found = self.kv.cached_prompt_tokens(seq.token_ids[: seq.num_prompt_tokens],
+                                                 self._chain(seq)) if _reuses(seq) else 0
+            if found > most:
+                best, most = i, found
+        return best
 
     def prefill_room(self, decode_tokens: int, decodes: int) -> float | None:
         """Seconds a step of ``decodes`` decodes (``decode_tokens`` tokens) may spend on
@@ -222,3 +255,8 @@ class _PromptShare:
             self.spare -= self.cost.chunk_seconds(n, seq.num_computed)
         self.tokens += n
         return n
+
+
+def _reuses(seq: Sequence) -> bool:
+    """Prompt logprobs need the logits of every prompt position: no cached prefix."""
+    return seq.prompt_logprobs_k is None

@@ -74,6 +74,7 @@ class Sequence:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     prompt_chain: list[bytes] | None = None  # its prompt's block names while it waits
+    times_passed: int = 0  # admissions that went before it while it waited (lpm)
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0

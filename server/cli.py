@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also export /metrics under another server's names: vllm "
                        "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ... for "
                        "gateways and dashboards built for vLLM; docs/metrics.md)")
+    for p in (serve, gen):
+        p.add_argument("--scheduling-policy", choices=["fcfs", "lpm"],
+                       default=base.get("scheduling_policy") or "fcfs",
+                       help="admission order: fcfs (arrival) or lpm (with prefix caching: "
+                       "the waiting prompt with the most tokens cached first, none passed "
+                       f"over more than 8 times) (default: {base.get('scheduling_policy')})")
     serve.add_argument("--engine-core", choices=["process", "thread"],
                        default=base.get("engine_core") or "process",
                        help="where the engine loop runs: process (its own process, beside "

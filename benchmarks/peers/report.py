@@ -66,8 +66,10 @@ def markdown(data: dict[str, Any]) -> str:
             mine = _tok_s(row, i)
             ref = _tok_s(vllm, i) if vllm else None
             ratios.append(f"{mine / ref:.2f}" if mine and ref else "n/a")
-            achieved.append(f"{mine / row['ceilings'][i]:.2f}" if mine else "n/a")
-        limits = [f"{c:.0f}" for c in row["ceilings"]]
+            # NOTE: no ceiling when a server's start-up log did not say its weight bytes
+            achieved.append(f"{mine / row['ceilings'][i]:.2f}"
+                            if mine and row["ceilings"] else "n/a")
+        limits = [f"{c:.0f}" for c in row["ceilings"]] or ["n/a"] * len(concs)
         others = [f"{m['others_cpu']:.0%}" for m in row["measurements"]]
         lines.append(f"| {row['name']} | " + " | ".join(cells) + f" | {_per_conc(ratios)} | "
                      f"{_per_conc(limits)} | {_per_conc(achieved)} | {_per_conc(others)} |")

@@ -81,10 +81,10 @@ class QuantLinear(nn.Module):
     def add_packed_copy(self, rows: int) -> int:
         """Keep a bf16 copy of the weight, packed for oneDNN's GEMM, which steps of
         ``rows`` rows or more multiply by instead of the quantized weight. Measured for
-        gemma-3-270m's 262144 x 640 head (2 cores, AVX512-BF16): 10 / 17 / 37 ms at 16 /
-        32 / 64 rows packed against 26 / 32 / 46 ms for the quantized tiles; at 8 rows the
-        quantized read wins (10 ms against 15). The quantized weight stays for the few-row
-        steps and the embedding lookup.
+        gemma-3-270m's 262144 x 640 head (int8 blocks of 32, 2 cores, AVX512-BF16): packed
+        8.1 / 8.0 / 9.2 / 10.3 / 11.8 / 17 ms at 1 / 4 / 8 / 12 / 16 / 32 rows against
+        4.2 / 6.3 / 10.2 / 16.2 / 24.5 / 32 ms quantized: the quantized read wins below
+        about 8 rows. The quantized weight stays for those steps and the embedding lookup.
 
         Returns:
             The copy's bytes.
