@@ -85,10 +85,14 @@ async def sessions(url: str, args: argparse.Namespace, vllm: bool = False
 
 
 def run(setting: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``on`` / ``off``: ringserve with prefix caching on / off; ``lpm``: on, with
+    ``--scheduling-policy lpm``; ``vllm``: vLLM's CPU build (caching on)."""
     if setting == "vllm":
         return run_vllm(args)
-    argv = pc.server_argv(setting, f"--kv-cache-memory {args.kv_cache_memory} "
-                          f"--max-num-seqs {args.sessions} {args.server_args}", True)
+    policy = "--scheduling-policy lpm" if setting == "lpm" else ""
+    argv = pc.server_argv("off" if setting == "off" else "on",
+                          f"--kv-cache-memory {args.kv_cache_memory} --max-num-seqs "
+                          f"{args.sessions} {policy} {args.server_args}", True)
     row = servers.Row(name=f"ringserve caching {setting}", kind="ringserve", weights="auto",
                       command=lambda: argv, start_timeout=pc.START_TIMEOUT)
     with servers.Server(row):
@@ -100,11 +104,15 @@ def run_vllm(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     base = servers.vllm_row(hf_folder)
     extra = ["--kv-cache-memory-bytes", str(parse_size(args.kv_cache_memory)),
-             "--max-num-seqs", str(args.sessions)]
-    # NOTE: VLLM_CPU_KVCACHE_SPACE (GiB) would override the bytes: left empty here.
+             "--max-num-seqs", str(args.sessions),
+             # its default 4096 needs more than such a pool (it checks one sequence fits)
+             "--max-model-len", str(args.first_turn + args.turns * (args.answer + args.user)
+                                    + args.output + 64)]
+    # NOTE: VLLM_CPU_KVCACHE_SPACE (GiB) would override the bytes: left out here.
     row = servers.Row(name="vLLM caching on", kind="vllm", weights="bfloat16",
                       command=lambda: [*base.command(), *extra],
-                      env=lambda: {**setup_vllm.server_env(), "VLLM_CPU_KVCACHE_SPACE": ""},
+                      env=lambda: {k: v for k, v in setup_vllm.server_env().items()
+                                   if k != "VLLM_CPU_KVCACHE_SPACE"},
                       start_timeout=base.start_timeout)
     with servers.Server(row):
         return asyncio.run(sessions(servers.URL, args, vllm=True))
@@ -123,25 +131,28 @@ def main() -> None:
     parser.add_argument("--server-args", default="")
     parser.add_argument("--vllm", action="store_true", help="vLLM's CPU build too")
     args = parser.parse_args()
-    runs = {s: run(s, args) for s in ("on", "off", *(["vllm"] if args.vllm else []))}
+    # NOTE: vLLM first: a failed start of its server ends the run before ours take minutes
+    settings = [*(["vllm"] if args.vllm else []), "on", "lpm", "off"]
+    runs = {s: run(s, args) for s in settings}
+    names = {"on": "caching on", "lpm": "on, lpm", "off": "caching off", "vllm": "vLLM"}
     lines = [f"`benchmarks/multiturn.py`: {args.sessions} sessions x {args.turns} turns, "
              f"turn 0 {args.first_turn} tokens, +{args.answer + args.user} a turn, "
              f"{args.output} output tokens, KV pool {args.kv_cache_memory}; "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "| turn | prompt tokens | hit rate (on) | TTFT p50 / p99 ms (on) | "
-             "TTFT p50 / p99 ms (off) | p50 off / on |"
-             + (" vLLM hit rate | vLLM TTFT p50 / p99 ms |" if args.vllm else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if args.vllm else "")]
-    for i, (on, off) in enumerate(zip(runs["on"], runs["off"], strict=True)):
-        ratio = off["ttft_p50_ms"] / on["ttft_p50_ms"] if on["ttft_p50_ms"] else 0.0
-        line = (f"| {on['turn']} | {on['prompt_tokens']} | {on['hit_rate']:.2f} | "
-                f"{on['ttft_p50_ms']:.0f} / {on['ttft_p99_ms']:.0f} | "
-                f"{off['ttft_p50_ms']:.0f} / {off['ttft_p99_ms']:.0f} | {ratio:.2f}x |")
-        if args.vllm:
-            v = runs["vllm"][i]
-            line += (f" {v['hit_rate']:.2f} | {v['ttft_p50_ms']:.0f} / "
-                     f"{v['ttft_p99_ms']:.0f} |")
-        lines.append(line)
+             "Hit rate (prompt tokens found cached) and TTFT p50 / p99 ms, per turn:", "",
+             "| turn | prompt tokens | " + " | ".join(names[s] for s in settings)
+             + " | off / on p50 | off / lpm p50 |",
+             "|---|---|" + "---|" * (len(settings) + 2)]
+    for t in range(args.turns):
+        cells = []
+        for s_ in settings:
+            r = runs[s_][t]
+            cells.append(f"{r['hit_rate']:.2f}, {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}")
+        off = runs["off"][t]["ttft_p50_ms"]
+        ratios = [f"{off / runs[k][t]['ttft_p50_ms']:.2f}x" if runs[k][t]["ttft_p50_ms"]
+                  else "n/a" for k in ("on", "lpm")]
+        lines.append(f"| {t} | {runs['on'][t]['prompt_tokens']} | " + " | ".join(cells)
+                     + " | " + " | ".join(ratios) + " |")
     misses = [r["read_misses"] for k, rs in runs.items() if k != "vllm" for r in rs]
     lines += ["", f"read misses: {max(m or 0 for m in misses):.0f}"]
     text = "\n".join(lines)
