@@ -20,7 +20,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -84,20 +84,30 @@ class StructuredOutputs:
         """The compiled constraint, from the cache when the same one was compiled before."""
         kind = params.kind
         value = params.json if kind == "json" else getattr(params, kind)
-        key = f"{kind}:{json.dumps(value, sort_keys=True)}"
+
+        def make() -> xgrammar.CompiledGrammar:
+            compiled = _compile(self._get_compiler(), params)
+            with self._lock:
+                self.compiled += 1
+            return compiled
+
+        return self._cached(f"{kind}:{json.dumps(value, sort_keys=True)}", make)
+
+    def _cached(self, key: str, make: Callable[[], xgrammar.CompiledGrammar]
+                ) -> xgrammar.CompiledGrammar:
+        """The cache's entry for ``key``, else ``make()``'s (run outside the lock: others
+        may hit meanwhile), kept for next time."""
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            compiler = self._get_compiler()
-        compiled = _compile(compiler, params)  # outside the lock: others may hit meanwhile
+        made = make()
         with self._lock:
-            self.compiled += 1
-            self._cache[key] = compiled
+            self._cache[key] = made
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
+        return made
 
     def serialize(self, compiled: xgrammar.CompiledGrammar) -> str:
         """A compiled constraint as text (xgrammar's JSON), to cross a process boundary."""
@@ -109,33 +119,25 @@ class StructuredOutputs:
         the text: a shared schema is read once)."""
         import xgrammar
 
-        key = f"serialized:{hash(text)}:{len(text)}"
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-            self._get_compiler()
-            info = self._info
-        compiled = xgrammar.CompiledGrammar.deserialize_json(text, info)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+        def make() -> xgrammar.CompiledGrammar:
+            self._get_compiler()  # the tokenizer info, built with it
+            return xgrammar.CompiledGrammar.deserialize_json(text, self._info)
+
+        return self._cached(f"serialized:{hash(text)}:{len(text)}", make)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar
+        with self._lock:  # NOTE: never called with the lock held (see `_cached`)
+            if self._compiler is None:
+                import xgrammar
 
-            # NOTE: built on first use (about a second for a 262k-token vocabulary), so
-            # servers that never see a constraint never pay for it.
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size,
-                stop_token_ids=self.stop_token_ids or None)
-            self._info = info
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        return self._compiler
+                # NOTE: built on first use (about a second for a 262k-token vocabulary), so
+                # servers that never see a constraint never pay for it.
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids or None)
+                self._info = info
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            return self._compiler
 
     # -- masking (engine thread) -------------------------------------------------------
 

@@ -61,7 +61,7 @@ def test_lpm_passes_a_miss_over_a_bounded_number_of_times(ckpt: pathlib.Path,
     llm = make_llm(ckpt, max_num_seqs=1, scheduling_policy="lpm")
     engines.append(llm)
     shared = random_tokens(6 * W, seed=5)
-    admission_order(llm, [shared + [7]])
+    admission_order(llm, [[*shared, 7]])
     hits = [shared + random_tokens(2, seed=10 + i) for i in range(LPM_MAX_PASSES + 4)]
     order, _ = admission_order(llm, [random_tokens(6 * W, seed=6), *hits])
     assert order.index("r0") == LPM_MAX_PASSES  # passed over exactly that many times
