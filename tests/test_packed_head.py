@@ -26,7 +26,8 @@ from tests.tiny_models import B, W, make_checkpoint, random_tokens
 
 packs = pytest.mark.skipif(
     not can_pack(torch.bfloat16, torch.device("cpu")),
-    reason="oneDNN bf16 packing needs AVX-512 (avx512bw/vl/dq) or AMX on this CPU")
+    reason="oneDNN bf16 packing needs AVX-512 (avx512bw/vl/dq) or AMX, which this CPU (or "
+    "its RINGSERVE_CPU_ISA cap) lacks")
 
 
 def _no_quantized_call_at(layer: QuantLinear, rows: int,
