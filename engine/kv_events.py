@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ringserve.block_manager.budget import KVCacheSpec
 from ringserve.engine.errors import InvalidRequestError
 
 logger = logging.getLogger("ringserve.engine")
@@ -104,6 +105,21 @@ def block_removed(name: bytes, group: int) -> dict[str, Any]:
 
 
 ALL_BLOCKS_CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
+
+
+def wire_events(raw: list[tuple[Any, ...]], spec: KVCacheSpec) -> list[dict[str, Any]]:
+    """The block pool's events (`KVCacheManager.take_events`) as vLLM's, each BlockStored
+    with its group's window."""
+    out = []
+    for event in raw:
+        group, name = event[1]
+        if event[0] == "stored":
+            parent, tokens = event[2]
+            out.append(block_stored(name, parent, tokens, spec.block_size, group,
+                                    spec.groups[group].window))
+        else:
+            out.append(block_removed(name, group))
+    return out
 
 
 class ZmqPublisher:

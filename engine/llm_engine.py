@@ -28,8 +28,7 @@ from ringserve.engine.kv_events import (
     ALL_BLOCKS_CLEARED,
     KVEventsConfig,
     ZmqPublisher,
-    block_removed,
-    block_stored,
+    wire_events,
 )
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
@@ -61,7 +60,6 @@ from ringserve.engine.structured_output import StructuredOutputs
 from ringserve.kernels import cpu_build, cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
-
 
 
 class LLMEngine:
@@ -368,19 +366,8 @@ class LLMEngine:
     def _publish_kv_events(self) -> None:
         assert self.kv_events is not None
         raw = self.kv.take_events()
-        if not raw:
-            return
-        groups = self.kv.spec.groups
-        b = self.kv.spec.block_size
-        out = []
-        for event in raw:
-            group, name = event[1]
-            if event[0] == "stored":
-                parent, tokens = event[2]
-                out.append(block_stored(name, parent, tokens, b, group, groups[group].window))
-            else:
-                out.append(block_removed(name, group))
-        self.kv_events.publish(out)
+        if raw:
+            self.kv_events.publish(wire_events(raw, self.kv.spec))
 
     def close(self) -> None:
         """Let go of what outlives a step: the KV-event publisher's socket."""
