@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from ringserve.engine.errors import InvalidRequestError
+
+
+def json_object(value: dict[str, Any] | str, param: str,
+                known: Collection[str]) -> dict[str, Any]:
+    """A JSON-valued setting (vLLM's ``--speculative-config``, ``--kv-events-config``) as a
+    dict: its JSON text or a dict, with no key outside ``known``.
+
+    Raises:
+        InvalidRequestError: not JSON, not an object, or an unknown key, naming ``param``.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise InvalidRequestError(f"{param} is not JSON: {err}", param=param) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be a JSON object", param=param)
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise InvalidRequestError(f"{param}: unknown keys {unknown}; known: {sorted(known)}",
+                                  param=param)
+    return dict(value)
 
 DEFAULT_CPU_KV_MEMORY = "2GiB"  # a sensible share of a 24 GiB machine
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90

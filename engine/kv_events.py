@@ -25,7 +25,6 @@ router's index of its previous life must go.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -35,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ringserve.block_manager.budget import KVCacheSpec
+from ringserve.engine.config import json_object
 from ringserve.engine.errors import InvalidRequestError
 
 logger = logging.getLogger("ringserve.engine")
@@ -67,19 +67,7 @@ class KVEventsConfig:
         """
         if value is None:
             return None
-        try:
-            raw = json.loads(value) if isinstance(value, str) else dict(value)
-        except json.JSONDecodeError as err:
-            raise InvalidRequestError(f"kv_events_config is not JSON: {err}",
-                                      param="kv_events_config") from None
-        if not isinstance(raw, dict):
-            raise InvalidRequestError("kv_events_config must be a JSON object",
-                                      param="kv_events_config")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidRequestError(f"kv_events_config has unknown keys {unknown}; known: "
-                                      f"{sorted(known)}", param="kv_events_config")
+        raw = json_object(value, "kv_events_config", {f.name for f in fields(cls)})
         config = cls(**raw)
         publisher = config.publisher or ("zmq" if config.enable_kv_cache_events else "null")
         if publisher not in ("zmq", "null"):

@@ -10,12 +10,12 @@ none and decode as before.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ringserve.engine.config import json_object
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.engine.sequence import Sequence
 
@@ -53,21 +53,8 @@ class SpeculativeConfig:
         """From a dict, its JSON text (the CLI flag), or None (off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise InvalidRequestError(f"speculative_config is not JSON: {err}",
-                                          param="speculative_config") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError("speculative_config must be a JSON object",
-                                      param="speculative_config")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"speculative_config: unknown keys {unknown}; known: "
-                                      f"{sorted(known)}", param="speculative_config")
-        return cls(**value)
+        return cls(**json_object(value, "speculative_config", known))
 
 
 def propose(tokens: list[int] | np.ndarray, k: int, lookup_min: int, lookup_max: int
