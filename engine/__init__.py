@@ -8,6 +8,7 @@
 # libgomp's default spin 52.7 and 25.0 (2.11x); GOMP_SPINCOUNT=10000 65.1 and 30.0;
 # transformers fell 2.58x in the same run. An earlier Zen 4 run found passive 10-25% slower
 # alone at batch 1: set OMP_WAIT_POLICY=ACTIVE (or GOMP_SPINCOUNT) on a machine of your own.
+# Our own kernels run on their own threads, which choose per call (kernels/csrc/thread_pool.h).
 import os as _os
 
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):

@@ -116,12 +116,41 @@ def choose_threads(env: dict[str, str] | None = None, *, affinity: int | None = 
                         (f", cgroup quota {quota:g}" if quota is not None else ""))
 
 
+SPIN_ENV = "RINGSERVE_KERNEL_SPIN"
+# How our kernels' threads wait between calls (kernels/csrc/thread_pool.h reads it once).
+SPIN_MODES = {
+    "auto": "spin while no other process is runnable, else sleep",
+    "always": "spin",
+    "never": "sleep",
+}
+
+
+def kernel_spin_mode(env: dict[str, str] | None = None) -> str:
+    """``RINGSERVE_KERNEL_SPIN`` (default auto), checked.
+
+    Raises:
+        ValueError: it is not auto, always or never (naming it).
+    """
+    env = dict(os.environ) if env is None else env
+    mode = env.get(SPIN_ENV, "").strip() or "auto"
+    if mode not in SPIN_MODES:
+        raise ValueError(f"{SPIN_ENV}={mode!r}: must be one of {', '.join(SPIN_MODES)}")
+    return mode
+
+
 def apply_threads() -> ThreadChoice:
-    """Set torch's intra-op thread count from `choose_threads` and log it once."""
+    """Set torch's intra-op thread count from `choose_threads` and log it once.
+
+    Raises:
+        ValueError: RINGSERVE_NUM_THREADS or RINGSERVE_KERNEL_SPIN is malformed.
+    """
     choice = choose_threads()
+    mode = kernel_spin_mode()
     torch.set_num_threads(choice.threads)
     wait = os.environ.get("OMP_WAIT_POLICY") or (
         f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ
         else "runtime default")  # fmt: skip
-    logger.info("threads %d (%s); OpenMP waiting: %s", choice.threads, choice.why, wait)
+    logger.info("threads %d (%s); our kernels' threads: %s (%s=%s); torch's OpenMP "
+                "threads: %s", choice.threads, choice.why, SPIN_MODES[mode], SPIN_ENV, mode,
+                wait)  # fmt: skip
     return choice

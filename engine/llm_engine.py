@@ -73,7 +73,7 @@ class LLMEngine:
             try:
                 cpu_isa.info()
                 apply_threads()
-            except ValueError as err:  # RINGSERVE_CPU_ISA or RINGSERVE_NUM_THREADS
+            except ValueError as err:  # RINGSERVE_CPU_ISA, _NUM_THREADS or _KERNEL_SPIN
                 raise InvalidRequestError(str(err), param="environment") from None
         resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_name = resolved.name

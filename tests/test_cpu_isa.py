@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ringserve.engine import LLM
-from ringserve.engine.cpu_threads import cgroup_quota, choose_threads
+from ringserve.engine.cpu_threads import cgroup_quota, choose_threads, kernel_spin_mode
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.kernels import cpu_build, cpu_isa
 from tests.tiny_models import make_checkpoint
@@ -157,6 +157,13 @@ def test_threads_follow_quota_affinity_and_override() -> None:
         choose_threads({"RINGSERVE_NUM_THREADS": "0"}, affinity=2)
 
 
+def test_kernel_spin_mode_is_checked() -> None:
+    assert kernel_spin_mode({}) == "auto"
+    assert kernel_spin_mode({"RINGSERVE_KERNEL_SPIN": " never "}) == "never"
+    with pytest.raises(ValueError, match="RINGSERVE_KERNEL_SPIN='sometimes'"):
+        kernel_spin_mode({"RINGSERVE_KERNEL_SPIN": "sometimes"})
+
+
 def test_start_up_log_names_class_kernels_and_threads(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,6 +172,7 @@ def test_start_up_log_names_class_kernels_and_threads(
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("RINGSERVE_NUM_THREADS", raising=False)
+    monkeypatch.delenv("RINGSERVE_KERNEL_SPIN", raising=False)
     monkeypatch.setattr(cpu_threads, "affinity_cpus", lambda: 64)
     monkeypatch.setattr(cpu_threads, "cgroup_quota", lambda: 2.0)
     before = torch.get_num_threads()
@@ -177,6 +185,7 @@ def test_start_up_log_names_class_kernels_and_threads(
         torch.set_num_threads(before)
     text = caplog.text
     assert "threads 2 (cgroup CPU quota 2 of 64 CPUs in the affinity mask)" in text
+    assert "our kernels' threads: spin while no other process is runnable" in text
     assert f"CPU class {cpu_isa.info().cls}" in text
     assert f"{cpu_isa.info().variant} kernels" in text
     # dtype auto: bf16 by dpbf16 with bf16 arithmetic, int16 activations where the build has

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 #include "quant_layout.h"
 
 #include <algorithm>
@@ -205,7 +206,7 @@ template <int KIND>
 void run_rows(const Weight& w, const float* x, int64_t rows, int64_t n, const float* bias,
               float* out) {
   // NOTE: 16 weight rows a task at least: 10-40 KiB of weights for k = 640.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(static_cast<size_t>(4 * w.groups + 1)), mn(sc.size());
     // NOTE: blocks of 64 weight rows stay in cache across passes of kMaxRows x rows.
     for (int64_t b0 = begin; b0 < end; b0 += 64) {
@@ -295,7 +296,7 @@ template <int KIND>
 void run_tiles(const Weight& w, const float* x, int64_t rows, int64_t n, const float* bias,
                float* out) {
   const int64_t k = w.k;
-  at::parallel_for(0, (n + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
+  ringserve::parallel_for(0, (n + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> tile(static_cast<size_t>(NR * k));
     std::vector<float> sc(static_cast<size_t>(w.groups + 1)), mn(sc.size());
     for (int64_t t = t0; t < t1; ++t) {

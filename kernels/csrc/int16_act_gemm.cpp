@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 #include "quant_layout.h"
 
 #include <algorithm>
@@ -65,7 +66,7 @@ Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, bool sum
   a.q.resize(static_cast<size_t>(m * k));
   a.d.resize(static_cast<size_t>(m * a.blocks));
   a.gsum.assign(static_cast<size_t>(m * a.gpad), 0.f);
-  at::parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
+  ringserve::parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t r = m0; r < m1; ++r) {
       const float* xr = x + r * k;
       for (int64_t b = 0; b < a.blocks; ++b) {
@@ -287,7 +288,7 @@ void run(const Weight& w, const Acts& a, int64_t rows, int64_t n, const float* b
          float* out) {
   // NOTE: 16 weight rows a task at least; blocks of 64 weight rows (20-40 KiB for k = 640)
   // stay in cache across the passes of kMaxRows x rows.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sf(static_cast<size_t>(4 * w.groups + 8)), mf(4 * w.gpad + 8);
     for (int64_t b0 = begin; b0 < end; b0 += 64) {
       const int64_t b1 = std::min(end, b0 + 64);

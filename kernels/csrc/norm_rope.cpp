@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include "bf16.h"
 
@@ -27,7 +28,7 @@ using ringserve::to_f;
 template <typename T>
 void rms_rows(const T* x, int64_t rows, int64_t d, int64_t stride, const float* scale,
               float eps, T* out) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * stride;
       float ss = 0.f;
@@ -61,7 +62,7 @@ void norm_rope_rows(const T* xp, int64_t st, int64_t sh, int64_t tokens, int64_t
                     int64_t d, int64_t rot, const float* sc, const T* cp, const T* sp,
                     float eps, T* op) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(static_cast<size_t>(d));
     float* hp = h.data();
     for (int64_t w = begin; w < end; ++w) {

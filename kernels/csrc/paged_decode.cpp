@@ -1,11 +1,11 @@
 // Decode attention over the ring, read in place: the CPU path's one compiled kernel.
 //
 // One new token per sequence attends to its cached window, read block by block through
-// the ring table (position p lives at cache[table[s, (p / b) % R], p % b], DESIGN.md §2),
+// the ring table (position p lives at cache[table[s, (p / b) % R], p % b], docs/design.md §2),
 // and to its own fresh K/V. Every cached K and V row of the window is read exactly once,
 // widened to float32 in registers; nothing is copied out of the cache. Two passes per
 // (sequence, kv head): scores for the group's query heads, then the softmax-weighted sum
-// of V. Work is split over (sequence, kv head) pairs with ATen's parallel_for.
+// of V. Work is split over (sequence, kv head) pairs (thread_pool.h).
 
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include "bf16.h"
 
@@ -238,7 +239,7 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
   const C* vc = value_cache.data_ptr<C>();
   const int32_t* tb = tables.data_ptr<int32_t>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qbuf, acc;
     std::vector<C> fresh;
     for (int64_t w = begin; w < end; ++w) {

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include "bf16.h"
 #include "quant_layout.h"
@@ -194,7 +195,7 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
               int64_t group, int64_t n, c10::BFloat16* out) {
   const int64_t groups = k / group;
   // NOTE: 16 weight rows a task at least: 10-20 KiB of weights for k = 640.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     // NOTE: blocks of 64 weight rows (<= 64 KiB at k = 1024) stay in L2 across passes.
     for (int64_t b0 = begin; b0 < end; b0 += 64) {
       const int64_t b1 = std::min(end, b0 + 64);
@@ -321,7 +322,7 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
                const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
                int64_t group, int64_t n, c10::BFloat16* out) {
   const int64_t kp = k / 2, groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
-  at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
+  ringserve::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
     std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
     for (int64_t t = t0; t < t1; ++t) {

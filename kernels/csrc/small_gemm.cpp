@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <optional>
 
@@ -59,7 +60,7 @@ void run_rows(const at::Tensor& x, const at::Tensor& w, const c10::BFloat16* bia
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
   // NOTE: 16 rows a task at least: ~20 KiB of weights for k = 640, enough to amortise.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  ringserve::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     rows_dot<M>(xp, wp, bias, begin, end, k, n, op);
   });
 }
