@@ -9,9 +9,12 @@
 # transformers fell 2.58x in the same run. An earlier Zen 4 run found passive 10-25% slower
 # alone at batch 1: set OMP_WAIT_POLICY=ACTIVE (or GOMP_SPINCOUNT) on a machine of your own.
 # Our own kernels run on their own threads, which choose per call (kernels/csrc/thread_pool.h).
+# Where torch is loaded already, libgomp has read its settings: the environment is left as
+# it was, so that it still says what libgomp does (kernels/cpu_build.py's libgomp_sleeps).
 import os as _os
+import sys as _sys
 
-if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
+if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from ringserve.engine.config import EngineConfig

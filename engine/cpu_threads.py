@@ -150,7 +150,11 @@ def apply_threads() -> ThreadChoice:
     wait = os.environ.get("OMP_WAIT_POLICY") or (
         f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ
         else "runtime default")  # fmt: skip
-    logger.info("threads %d (%s); our kernels' threads: %s (%s=%s); torch's OpenMP "
-                "threads: %s", choice.threads, choice.why, SPIN_MODES[mode], SPIN_ENV, mode,
-                wait)  # fmt: skip
+    from ringserve.kernels.cpu_build import libgomp_sleeps
+
+    ours = (f"{SPIN_MODES[mode]} ({SPIN_ENV}={mode})" if libgomp_sleeps() else
+            "torch's (they spin: torch was loaded before ringserve.engine without "
+            "OMP_WAIT_POLICY=PASSIVE)")
+    logger.info("threads %d (%s); our kernels' threads: %s; torch's OpenMP threads: %s",
+                choice.threads, choice.why, ours, wait)  # fmt: skip
     return choice

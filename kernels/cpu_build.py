@@ -100,4 +100,21 @@ def _build(variant: str) -> bool:
         logger.warning("%s CPU kernels unavailable, using the torch paths: %s", variant,
                        lines[-1] if lines else repr(err))  # fmt: skip
         return False
+    ops(variant).use_kernel_pool(libgomp_sleeps())
     return True
+
+
+def libgomp_sleeps(env: dict[str, str] | None = None) -> bool:
+    """Whether torch's OpenMP threads sleep as soon as they wait: libgomp read
+    ``OMP_WAIT_POLICY=PASSIVE`` (or ``GOMP_SPINCOUNT=0``) when torch loaded. `engine` sets
+    PASSIVE only where it loads torch itself, so the environment says what libgomp saw.
+
+    Where they sleep, our kernels run on their own pool (kernels/csrc/thread_pool.h), whose
+    threads spin while the machine is otherwise idle; where libgomp's threads spin, ours
+    would spin beside them on the same CPUs, so the kernels run on libgomp's threads.
+    """
+    env = dict(os.environ) if env is None else env
+    spin = env.get("GOMP_SPINCOUNT", "").strip()
+    if spin:
+        return spin == "0"
+    return env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"

@@ -27,7 +27,11 @@ def _ops():  # type: ignore[no-untyped-def]
 
 
 def _run(code: str, env: dict[str, str], timeout: float = 300) -> str:
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
+    """``code`` in a fresh interpreter whose torch threads sleep (as the engine's do), with
+    ``env`` on top."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **env}
+    env = {k: v for k, v in env.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
@@ -44,7 +48,8 @@ def test_parallel_calls_use_the_threads() -> None:
     ops = _ops()
     before = ops.kernel_threads()[2]
     ops.pool_selftest(1000, 16, 0, -1)
-    threads, _, jobs, _ = ops.kernel_threads()
+    threads, _, jobs, _, on = ops.kernel_threads()
+    assert on == 1  # the conftest made libgomp sleep
     assert threads == torch.get_num_threads() or torch.get_num_threads() == 1
     assert jobs == before + (torch.get_num_threads() > 1)
 
@@ -182,3 +187,37 @@ def test_auto_sleeps_while_another_process_wants_the_cpus() -> None:
     assert during == 0
     if before == 1:
         assert after == 1
+
+
+def test_libgomp_sleeps_reads_what_libgomp_read() -> None:
+    assert cpu_build.libgomp_sleeps({"OMP_WAIT_POLICY": "passive"})
+    assert not cpu_build.libgomp_sleeps({})  # libgomp's default: spin 300,000 times
+    assert not cpu_build.libgomp_sleeps({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert cpu_build.libgomp_sleeps({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"})
+    assert not cpu_build.libgomp_sleeps({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"})
+
+
+@pytest.mark.parametrize(("first", "policy", "pool"), [
+    ("ringserve.engine", None, 1),   # the engine sets PASSIVE before torch loads
+    ("torch", None, 0),              # libgomp spins: the kernels run on its threads
+    ("torch", "PASSIVE", 1),
+])
+def test_the_pool_serves_only_where_libgomp_sleeps(first: str, policy: str | None,
+                                                   pool: int) -> None:
+    code = (f"import {first}\n"
+            "import torch\n"
+            "torch.set_num_threads(2)\n"
+            "from ringserve.kernels import cpu_build\n"
+            "assert cpu_build.available()\n"
+            "ops = cpu_build.ops()\n"
+            "assert ops.pool_selftest(10000, 16, 0, -1) == 10000 * 9999 // 2\n"
+            "print(list(ops.kernel_threads()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = eval(out.stdout.strip().splitlines()[-1])
+    assert info[4] == pool
+    assert info[2] == pool  # the call ran on the pool, or on libgomp's threads

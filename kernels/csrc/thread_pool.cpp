@@ -10,6 +10,8 @@ namespace {
 
 std::vector<int64_t> kernel_threads() { return ringserve::RINGSERVE_NS::Pool::get().info(); }
 
+void use_kernel_pool(bool on) { ringserve::RINGSERVE_NS::pool_enabled().store(on); }
+
 // Sums i over [0, n) in parallel chunks of `grain`, each chunk after `sleep_us` of sleep;
 // chunk `throw_at` (if >= 0) throws. For tests of the pool itself.
 int64_t pool_selftest(int64_t n, int64_t grain, int64_t sleep_us, int64_t throw_at) {
@@ -28,5 +30,6 @@ int64_t pool_selftest(int64_t n, int64_t grain, int64_t sleep_us, int64_t throw_
 
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("kernel_threads() -> int[]", &kernel_threads);
+  m.def("use_kernel_pool(bool on) -> ()", &use_kernel_pool);
   m.def("pool_selftest(int n, int grain, int sleep_us, int throw_at) -> int", &pool_selftest);
 }

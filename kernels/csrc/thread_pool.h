@@ -13,7 +13,10 @@
 // (/proc/loadavg) every few milliseconds; while nobody but us is runnable the pool's
 // threads spin up to kSpinNs between calls, else they sleep on a condition variable.
 //
-// RINGSERVE_KERNEL_SPIN=always or =never fixes the choice (benchmarks, tests); the default
+// Where libgomp's own threads spin (torch loaded without OMP_WAIT_POLICY=PASSIVE, or a
+// policy of the user's), two pools spinning on the same CPUs would take turns: there
+// kernels/cpu_build.py turns the pool off (use_kernel_pool) and the kernels run on
+// at::parallel_for, as before. RINGSERVE_KERNEL_SPIN=always or =never fixes the choice (benchmarks, tests); the default
 // is auto. One job at a time (a mutex); a call from inside a job, from inside an OpenMP region or
 // with one thread runs inline, as at::parallel_for does. The first exception a chunk
 // throws is rethrown to the caller once every chunk has ended. After fork() the child
@@ -88,6 +91,12 @@ inline int usable_cpus() {
   return static_cast<int>(std::thread::hardware_concurrency());
 }
 
+// Whether parallel_for runs on the pool (else on at::parallel_for).
+inline std::atomic<bool>& pool_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 class Pool {
  public:
   // The pool of this process (a new one after fork).
@@ -143,11 +152,13 @@ class Pool {
   }
 
   // For tests and logs: the threads (caller included; 0 before the first parallel call),
-  // whether they spin now, the parallel calls run, the mode (0 auto, 1 always, 2 never).
+  // whether they spin now, the parallel calls run, the mode (0 auto, 1 always, 2 never),
+  // whether kernels use the pool at all.
   std::vector<int64_t> info() {
     std::lock_guard<std::mutex> submit(submit_);
     return {workers_.empty() ? 0 : static_cast<int64_t>(workers_.size()) + 1,
-            spin_.load() ? 1 : 0, static_cast<int64_t>(jobs_), mode_};
+            spin_.load() ? 1 : 0, static_cast<int64_t>(jobs_), mode_,
+            pool_enabled().load() ? 1 : 0};
   }
 
  private:
@@ -266,6 +277,10 @@ template <typename F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
   grain = std::max<int64_t>(grain, 1);
+  if (!RINGSERVE_NS::pool_enabled().load(std::memory_order_relaxed)) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
   auto& pool = RINGSERVE_NS::Pool::get();
   if (end - begin <= grain || at::get_num_threads() <= 1 || pool.in_job() ||
       at::in_parallel_region()) {
