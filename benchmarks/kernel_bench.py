@@ -16,12 +16,17 @@ and its time relative to the peer, a plain contiguous SDPA over the same window.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# NOTE: as the server runs (engine/__init__.py), set before torch loads: torch's OpenMP
+# threads sleep between regions and our kernels run on their own pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F

@@ -15,11 +15,16 @@ same threads (the ceiling of a one-row call; more rows are compute-bound by desi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+# NOTE: as the server runs (engine/__init__.py), set before torch loads: torch's OpenMP
+# threads sleep between regions and our kernels run on their own pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 

@@ -14,10 +14,15 @@ busy CPU every parallel region waits for a descheduled thread and the table says
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+# NOTE: as the server runs (engine/__init__.py), set before torch loads: torch's OpenMP
+# threads sleep between regions and our kernels run on their own pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -38,6 +43,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--packed-head-rows", type=int, default=None,
                     help="as `ringserve serve --packed-head-rows`")
+    ap.add_argument("--packed-rows", type=int, default=None,
+                    help="as `ringserve serve --packed-rows`")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
@@ -47,7 +54,7 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
-              packed_head_rows=args.packed_head_rows)
+              packed_head_rows=args.packed_head_rows, packed_rows=args.packed_rows)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=total - args.context, temperature=0.0, ignore_eos=True)

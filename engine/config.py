@@ -64,6 +64,10 @@ class EngineConfig:
         packed_head_rows: steps of at least this many rows multiply a quantized output
             head by a bf16 copy packed for oneDNN (its bytes are logged; AVX-512 or AMX
             CPUs); None = the quantized head for every step.
+        packed_rows: the same for every quantized linear: steps (and prefill chunks) of
+            at least this many rows run oneDNN's bf16 GEMM on packed copies of the
+            quantized weights, which stay for smaller steps (bytes logged: about twice the
+            parameters); None = off.
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
@@ -96,6 +100,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
+    packed_rows: int | None = None
     scheduling_policy: str = "fcfs"
     kv_events_config: str | dict[str, Any] | None = None
     max_model_len: int | None = None
@@ -120,6 +125,8 @@ class EngineConfig:
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "lpm"),
              "must be fcfs or lpm"),
             ("packed_head_rows", self.packed_head_rows is None or self.packed_head_rows >= 1,
+             "must be >= 1 (or None: off)"),
+            ("packed_rows", self.packed_rows is None or self.packed_rows >= 1,
              "must be >= 1 (or None: off)"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),

@@ -33,7 +33,7 @@ from ringserve.engine.kv_events import (
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
-from ringserve.engine.models.quant_linear import pack_head_copy
+from ringserve.engine.models.quant_linear import pack_head_copy, pack_linear_copies
 from ringserve.engine.outputs import Request
 from ringserve.engine.request_check import (
     CheckedRequest,
@@ -98,6 +98,12 @@ class LLMEngine:
                                                  self.dtype))
             except ValueError as err:
                 raise InvalidRequestError(str(err), param="packed_head_rows") from None
+        if config.packed_rows is not None:
+            try:
+                logger.info("%s", pack_linear_copies(self.model, config.packed_rows,
+                                                     self.dtype))
+            except ValueError as err:
+                raise InvalidRequestError(str(err), param="packed_rows") from None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
         if self.device.type == "cpu":

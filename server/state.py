@@ -36,6 +36,7 @@ class ServeArgs:
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
+    packed_rows: int | None = None
     scheduling_policy: str = "fcfs"
     kv_events_config: str | None = None  # vLLM's JSON: the prefix cache's events over ZMQ
     max_model_len: int | None = None
@@ -62,6 +63,7 @@ class ServeArgs:
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     max_prefill_slowdown=self.max_prefill_slowdown,
                     packed_head_rows=self.packed_head_rows,
+                    packed_rows=self.packed_rows,
                     scheduling_policy=self.scheduling_policy,
                     kv_events_config=self.kv_events_config,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,

@@ -1,4 +1,5 @@
-"""``--packed-head-rows``: a quantized output head's packed bf16 copy for large steps.
+"""``--packed-head-rows`` and ``--packed-rows``: packed bf16 copies of a quantized output
+head, or of every quantized linear, for large steps.
 
 References: a float64 matmul of the dequantized weight (rounded to bf16, the copy's
 weight) for the layer; transformers running the same quantized weights for the model.
@@ -17,7 +18,11 @@ from ringserve.engine.loading import load_model
 from ringserve.engine.loading.quantize import weight_bytes
 from ringserve.engine.models import quant_linear
 from ringserve.engine.models.packed_linear import can_pack
-from ringserve.engine.models.quant_linear import QuantLinear, pack_head_copy
+from ringserve.engine.models.quant_linear import (
+    QuantLinear,
+    pack_head_copy,
+    pack_linear_copies,
+)
 from ringserve.kernels import cpu_isa
 from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.model_harness import RingHarness
@@ -102,3 +107,65 @@ def test_the_flag_says_where_it_cannot_work(tmp_path: pathlib.Path,
         LLM(str(path), dtype="bfloat16", quantization="int8", packed_head_rows=16,
             kv_cache_memory="4MiB", max_model_len=64)
     assert err.value.param == "packed_head_rows"
+
+
+@packs
+def test_every_quantized_linear_runs_its_copy_in_large_steps(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--packed-rows``: steps of 2+ rows never reach the quantized kernel; one-row steps
+    do; the logits stay as close to transformers as the quantized model's."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    ids = random_tokens(160, seed=6)
+    with torch.no_grad():
+        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
+    model = load_model(path, dtype=torch.bfloat16, quantization="int8")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    before = weight_bytes(model)
+    message = pack_linear_copies(model, 2, torch.bfloat16)
+    after = weight_bytes(model)
+    copies = sum(m.out_features * m.in_features * 2 for m in layers)
+    assert all(m.packed is not None and m.packed_rows == 2 for m in layers)
+    assert after.resident - before.resident == copies
+    assert after.per_token == before.per_token
+    assert f"{len(layers)} quantized linears" in message and f"+{copies / 2**20:.1f} MiB" in message
+    rows_seen: list[int] = []
+    real = quant_linear.cpu_quant.quant_linear
+
+    def guarded(x: torch.Tensor, qw: object, *args: object) -> torch.Tensor:
+        assert x.shape[0] < 2, f"a quantized linear ran {x.shape[0]} rows"
+        rows_seen.append(x.shape[0])
+        return real(x, qw, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_linear.cpu_quant, "quant_linear", guarded)
+    got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
+    assert_as_close_as_bf16(path, ids, got, expected)
+    assert rows_seen and set(rows_seen) == {1}
+
+
+@packs
+def test_a_head_packed_on_its_own_keeps_its_rows(tmp_path: pathlib.Path) -> None:
+    model = load_model(make_checkpoint("gemma3_text", tmp_path), dtype=torch.bfloat16,
+                       quantization="int8")
+    pack_head_copy(model, 8, torch.bfloat16)
+    pack_linear_copies(model, 16, torch.bfloat16)
+    assert model.lm_head.packed_rows == 8
+    others = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
+    assert others and all(m.packed_rows == 16 for m in others)
+
+
+def test_packed_rows_says_where_it_cannot_work(tmp_path: pathlib.Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    with pytest.raises(InvalidRequestError, match="needs quantized linears") as err:
+        LLM(str(path), dtype="float32", quantization="none", packed_rows=16,
+            kv_cache_memory="4MiB", max_model_len=64)
+    assert err.value.param == "packed_rows"
+    with pytest.raises(InvalidRequestError, match="packed_rows"):
+        LLM(str(path), quantization="int8", packed_rows=0, kv_cache_memory="4MiB",
+            max_model_len=64)
+    real = cpu_isa.info()
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
+    with pytest.raises(InvalidRequestError, match="packs bf16") as err:
+        LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows=16,
+            kv_cache_memory="4MiB", max_model_len=64)
+    assert err.value.param == "packed_rows"

@@ -145,13 +145,38 @@ def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
     if not isinstance(head, QuantLinear):
         raise ValueError("--packed-head-rows needs a quantized output head (this model's "
                          "head is not quantized: it is already a bf16 or float32 GEMM)")
-    if dtype != torch.bfloat16 or not can_pack(dtype, head.qweight.device):
-        raise ValueError("--packed-head-rows needs bf16 activations and a CPU whose oneDNN "
-                         "packs bf16 (AVX-512 or AMX; not an AVX2-only CPU or a "
-                         "RINGSERVE_CPU_ISA cap below avx512)")
+    _check_packable("--packed-head-rows", dtype, head.qweight.device)
     size = head.add_packed_copy(rows)
     return (f"output head: a packed bf16 copy for steps of >= {rows} rows "
             f"(+{size / 2**20:.1f} MiB resident; fewer rows read the quantized weight)")
+
+
+def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
+    """``--packed-rows``: give every quantized linear a packed bf16 copy for steps of ``rows``
+    rows or more (`QuantLinear.add_packed_copy`): large decode batches and prefill chunks
+    then run oneDNN's bf16 GEMM, and fewer rows read the quantized weights. A head that
+    ``--packed-head-rows`` gave a copy keeps its own row count. What was done, for the log.
+
+    Raises:
+        ValueError: the model has no quantized linear, its activations (``dtype``) are not
+            bf16, or this CPU cannot pack bf16 for oneDNN.
+    """
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise ValueError("--packed-rows needs quantized linears (this model's are bf16 or "
+                         "float32 GEMMs already)")
+    _check_packable("--packed-rows", dtype, layers[0].qweight.device)
+    size = sum(layer.add_packed_copy(rows) for layer in layers if layer.packed is None)
+    return (f"{len(layers)} quantized linears: packed bf16 copies for steps of >= {rows} "
+            f"rows (+{size / 2**20:.1f} MiB resident; fewer rows read the quantized "
+            "weights)")
+
+
+def _check_packable(flag: str, dtype: torch.dtype, device: torch.device) -> None:
+    if dtype != torch.bfloat16 or not can_pack(dtype, device):
+        raise ValueError(f"{flag} needs bf16 activations and a CPU whose oneDNN packs bf16 "
+                         "(AVX-512 or AMX; not an AVX2-only CPU or a RINGSERVE_CPU_ISA cap "
+                         "below avx512)")
 
 
 class QuantEmbedding(nn.Module):
