@@ -172,8 +172,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
                 name = f"int{module.bits} dpbf16"
             else:
                 name = f"int{module.bits} float32 FMA"
-            if module.packed is not None:
-                name += f" (+ packed bf16 copy from {module.packed_rows} rows)"
+            if module.packed_rows is not None:
+                name += f" (+ bf16 copy from {module.packed_rows} rows)"
         elif type(module) is torch.nn.Linear:
             name = f"torch {str(dtype).removeprefix('torch.')} F.linear"
         else:

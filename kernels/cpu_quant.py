@@ -86,3 +86,25 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         out = ops(variant).compact_linear(x, qw.qweight, qw.scales, qw.mins, qw.bits,
                                           qw.group, bias, min(tile_rows, 8))
     return out
+
+
+def has_tiles(variant: str | None = None) -> bool:
+    """Whether ``variant``'s build (default this CPU's) can keep a weight widened into
+    tiles (`quant_tiles`): the dpbf16 builds."""
+    v = variant or cpu_isa.info().variant
+    return available(v) and _has_dpbf16(v)
+
+
+def quant_tiles(qw: QuantizedWeight, variant: str | None = None) -> tuple[torch.Tensor, ...]:
+    """``qw`` widened once into the bf16 tiles the many-row path builds on every call
+    (tiles, scales, mins; about 2 bytes a value): `quant_linear_tiles` then multiplies
+    without widening, with the same sums as `quant_linear`'s many-row path."""
+    return tuple(ops(variant).quant_tiles(qw.qweight, qw.scales, qw.mins, qw.bits, qw.group))
+
+
+def quant_linear_tiles(x: torch.Tensor, tiles: tuple[torch.Tensor, ...], qw: QuantizedWeight,
+                       bias: torch.Tensor | None, variant: str | None = None) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` for bf16 x [m, k] over `quant_tiles`' copy of ``qw``."""
+    out: torch.Tensor = ops(variant).quant_linear_tiles(x, *tiles, qw.bits, qw.group,
+                                                        qw.shape[0], bias)
+    return out

@@ -23,7 +23,7 @@ from ringserve.engine.models.quant_linear import (
     pack_head_copy,
     pack_linear_copies,
 )
-from ringserve.kernels import cpu_isa
+from ringserve.kernels import cpu_isa, cpu_quant
 from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.model_harness import RingHarness
 from tests.test_quant import assert_as_close_as_bf16, transformers_with
@@ -33,6 +33,9 @@ packs = pytest.mark.skipif(
     not can_pack(torch.bfloat16, torch.device("cpu")),
     reason="oneDNN bf16 packing needs AVX-512 (avx512bw/vl/dq) or AMX, which this CPU (or "
     "its RINGSERVE_CPU_ISA cap) lacks")
+
+
+real_quant_linear = cpu_quant.quant_linear
 
 
 def _no_quantized_call_at(layer: QuantLinear, rows: int,
@@ -60,16 +63,24 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
     weight = torch.randn(300, 128) * 0.1
     qw = quantize_int8(weight, 32) if kind == "int8" else quantize_int4(weight, 32)
     layer = QuantLinear(qw, None)
-    assert layer.add_packed_copy(16) == 300 * 128 * 2
+    tiles = cpu_quant.has_tiles()
+    size = layer.add_packed_copy(16)
+    # our tiles: 10 of 32 rows, 2 bytes a value, float32 scales (and mins) of 4 groups;
+    # oneDNN's copy: the bf16 weight
+    assert size == (320 * 128 * 2 + 320 * 4 * 4 * (2 if kind == "int4" else 1) if tiles
+                    else 300 * 128 * 2)
     seen = _no_quantized_call_at(layer, 16, monkeypatch)
     exact, rounded = dequantize(qw).double(), dequantize(qw, torch.bfloat16).double()
     for rows in (1, 15, 16, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         out = layer(x)
-        dense = rounded if rows >= 16 else exact  # the copy holds the weight in bf16
+        # oneDNN's copy holds the weight rounded to bf16; our tiles the exact values
+        dense = rounded if rows >= 16 and not tiles else exact
         ref = x.double() @ dense.T
         bound = ref.abs() * 2**-8 + (x.double().abs() @ dense.abs().T) * 2**-16 + 1e-6
         assert bool(((out.double() - ref).abs() <= bound).all()), rows
+        if tiles and rows >= 16:  # the sums of the many-row path that widens every call
+            assert torch.equal(out, real_quant_linear(x, qw, None, 0))
     assert seen == ([1, 15] if layer.kernel else [])
 
 
@@ -85,9 +96,11 @@ def test_a_model_with_the_packed_head_is_as_close_to_transformers(
     message = pack_head_copy(model, 2, torch.bfloat16)
     after = weight_bytes(model)
     head = model.lm_head
-    assert after.resident - before.resident == head.out_features * head.in_features * 2
+    size = sum(t.numel() * t.element_size() for t in head.copies())
+    assert size >= head.out_features * head.in_features * 2
+    assert after.resident - before.resident == size
     assert after.per_token == before.per_token  # a decode step reads one of the two
-    assert f"+{head.out_features * head.in_features * 2 / 2**20:.1f} MiB" in message
+    assert f"+{size / 2**20:.1f} MiB" in message
     seen = _no_quantized_call_at(head, 2, monkeypatch)
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
     assert_as_close_as_bf16(path, ids, got, expected)
@@ -123,8 +136,9 @@ def test_every_quantized_linear_runs_its_copy_in_large_steps(
     before = weight_bytes(model)
     message = pack_linear_copies(model, 2, torch.bfloat16)
     after = weight_bytes(model)
-    copies = sum(m.out_features * m.in_features * 2 for m in layers)
-    assert all(m.packed is not None and m.packed_rows == 2 for m in layers)
+    copies = sum(t.numel() * t.element_size() for m in layers for t in m.copies())
+    assert all(m.copies() and m.packed_rows == 2 for m in layers)
+    assert copies >= sum(m.out_features * m.in_features * 2 for m in layers)
     assert after.resident - before.resident == copies
     assert after.per_token == before.per_token
     assert f"{len(layers)} quantized linears" in message and f"+{copies / 2**20:.1f} MiB" in message

@@ -77,22 +77,39 @@ class QuantLinear(nn.Module):
         # (`add_packed_copy`: a large batch's head, where our tiles are compute-bound).
         self.register_buffer("packed", None)
         self.packed_rows: int | None = None
+        # NOTE: a plain attribute, not buffers: the copy follows the quantized weight's
+        # device and is made after loading (`add_packed_copy`).
+        self.tiles: tuple[torch.Tensor, ...] | None = None
 
     def add_packed_copy(self, rows: int) -> int:
-        """Keep a bf16 copy of the weight, packed for oneDNN's GEMM, which steps of
-        ``rows`` rows or more multiply by instead of the quantized weight. Measured for
-        gemma-3-270m's 262144 x 640 head (int8 blocks of 32, 2 cores, AVX512-BF16): packed
-        8.1 / 8.0 / 9.2 / 10.3 / 11.8 / 17 ms at 1 / 4 / 8 / 12 / 16 / 32 rows against
-        4.2 / 6.3 / 10.2 / 16.2 / 24.5 / 32 ms quantized: the quantized read wins below
-        about 8 rows. The quantized weight stays for those steps and the embedding lookup.
+        """Keep a copy of the weight widened to bf16 once, which steps of ``rows`` rows or
+        more multiply by instead of widening the quantized weight on every call; the
+        quantized weight stays for smaller steps and the embedding lookup.
+
+        Where the kernels have dpbf16 the copy is our own tiles (`cpu_quant.quant_tiles`:
+        the exact integer values and float32 scales, so the same sums as the quantized
+        many-row path, on the kernels' thread pool). Measured for gemma-3-270m's linears
+        (2 cores, Zen 4, rows 16 / 32): head 2.1 / 4.0 ms a 65536-row quarter against 5.3 /
+        7.2 widening each call and 2.6 / 4.1 for oneDNN's packed bf16; gate_up 0.12 / 0.23
+        against 0.19 / 0.30 and 0.11 / 0.21. Elsewhere (AVX-512 without BF16) it is a bf16
+        weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16).
 
         Returns:
             The copy's bytes.
         """
+        self.packed_rows = rows
+        if self.kernel and cpu_quant.has_tiles():
+            self.tiles = cpu_quant.quant_tiles(self.qw)
+            return sum(int(t.numel() * t.element_size()) for t in self.tiles)
         dense = dequantize(self.qw, torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
-        self.packed_rows = rows
         return int(self.packed.numel() * self.packed.element_size())
+
+    def copies(self) -> list[torch.Tensor]:
+        """The tensors of the copy `add_packed_copy` made (none without one)."""
+        if self.tiles is not None:
+            return list(self.tiles)
+        return [] if self.packed is None else [self.packed]
 
     @property
     def qw(self) -> QuantizedWeight:
@@ -112,8 +129,11 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         out: torch.Tensor
-        if self.packed_rows is not None and rows >= self.packed_rows \
-                and flat.dtype == torch.bfloat16:
+        copy = self.packed_rows is not None and rows >= self.packed_rows \
+            and flat.dtype == torch.bfloat16
+        if copy and self.tiles is not None:
+            out = cpu_quant.quant_linear_tiles(flat, self.tiles, self.qw, self.bias)
+        elif copy and self.packed is not None:
             padded = bucket_rows(rows)
             if padded != rows:
                 flat = F.pad(flat, (0, 0, 0, padded - rows))
@@ -166,7 +186,7 @@ def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
         raise ValueError("--packed-rows needs quantized linears (this model's are bf16 or "
                          "float32 GEMMs already)")
     _check_packable("--packed-rows", dtype, layers[0].qweight.device)
-    size = sum(layer.add_packed_copy(rows) for layer in layers if layer.packed is None)
+    size = sum(layer.add_packed_copy(rows) for layer in layers if layer.packed_rows is None)
     return (f"{len(layers)} quantized linears: packed bf16 copies for steps of >= {rows} "
             f"rows (+{size / 2**20:.1f} MiB resident; fewer rows read the quantized "
             "weights)")

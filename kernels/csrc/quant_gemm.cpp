@@ -40,6 +40,7 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // x rows a pass; more rows run in passes of 8
+constexpr int64_t kTile = 32;     // weight rows a tile: two vectors of 16 outputs
 
 #if defined(__AVX512BF16__)
 
@@ -220,7 +221,6 @@ void run_rows(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Hal
 // the integer values themselves (4-bit as 128 + q, as widen_int4 makes them), exact in
 // bf16; each group's partial sums are multiplied by the 32 rows' scales as one vector, and
 // the mins added from the x sums, so the many-row path rounds what the few-row path does.
-constexpr int64_t kTile = 32;  // weight rows a tile: two vectors of 16 outputs
 constexpr int kTileMR = 6;     // x rows a pass: 12 sums and 12 partial sums in registers
 
 // In place: r[i] lane j -> r[j] lane i (a 16 x 16 transpose of 32-bit values).
@@ -317,6 +317,73 @@ void tile_rows(const uint16_t* x, int64_t k, int64_t group, const uint32_t* tile
     }
 }
 
+// Tile t (weight rows t * kTile ...) of the weight in the layout tile_rows reads: the values
+// as exact bf16 integers, pairs of k interleaved across the tile's rows, into `tile`
+// [kp][kTile]; its scales (and 4-bit mins less 128 * scale) as float32 into sct, mnt
+// [groups][kTile]. Rows past the weight's last are 0.
+template <int BITS>
+void widen_tile(const uint8_t* qw, const c10::Half* scales, const c10::Half* mins, int64_t t,
+                int64_t k, int64_t group, int64_t n, uint32_t* tile, float* sct, float* mnt) {
+  const int64_t groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
+  const int64_t r0 = t * kTile, valid = std::min(kTile, n - r0);
+  // Scales (and mins less 128 * scale) as float32, transposed 16 groups x 16 rows at a
+  // time; 0 past the last row.
+  const auto* sh = reinterpret_cast<const uint16_t*>(scales);
+  const auto* mh = reinterpret_cast<const uint16_t*>(mins);
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t width = std::min<int64_t>(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+    for (int64_t h = 0; h < kTile; h += 16) {
+      __m512i sb[16], mb[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = r0 + h + i;
+        const bool in = h + i < valid;
+        const __m512 sv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sh + r * groups + g0))
+                             : _mm512_setzero_ps();
+        sb[i] = _mm512_castps_si512(sv);
+        if constexpr (BITS == 4) {
+          const __m512 mv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mh + r * groups + g0))
+                               : _mm512_setzero_ps();
+          mb[i] = _mm512_castps_si512(_mm512_fnmadd_ps(_mm512_set1_ps(kInt4Offset), sv, mv));
+        }
+      }
+      transpose16(sb);
+      if constexpr (BITS == 4) transpose16(mb);
+      for (int64_t c = 0; c < width; ++c) {
+        _mm512_storeu_si512(sct + (g0 + c) * kTile + h, sb[c]);
+        if constexpr (BITS == 4) _mm512_storeu_si512(mnt + (g0 + c) * kTile + h, mb[c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < k; j += 32)  // 16 pairs of 16 rows a transpose
+    for (int64_t h = 0; h < kTile; h += 16) {
+      __m512i block[16];
+      for (int i = 0; i < 16; ++i)
+        block[i] = h + i < valid ? exact32<BITS>(qw + (r0 + h + i) * row_bytes, j)
+                                 : _mm512_setzero_si512();
+      transpose16(block);
+      for (int c = 0; c < 16; ++c)
+        _mm512_storeu_si512(tile + (j / 2 + c) * kTile + h, block[c]);
+    }
+}
+
+// out[:, tile t's rows] for every x row, in passes of kTileMR rows.
+template <int BITS>
+void tile_passes(const uint16_t* x, int64_t rows, const float* xsum, const c10::BFloat16* bias,
+                 int64_t t, int64_t k, int64_t group, int64_t n, const uint32_t* tile,
+                 const float* sct, const float* mnt, c10::BFloat16* out) {
+  const int64_t groups = k / group, r0 = t * kTile, valid = std::min(kTile, n - r0);
+  for (int64_t m0 = 0; m0 < rows; m0 += kTileMR) {
+    const uint16_t* xp = x + m0 * k;
+    const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
+    c10::BFloat16* op = out + m0 * n;
+    ringserve::with_rows<kTileMR>(rows - m0, [&](auto r) {
+      tile_rows<decltype(r)::value, BITS>(xp, k, group, tile, sct, mnt, xs, groups, valid,
+                                          bias, r0, n, op);
+    });
+  }
+}
+
 template <int BITS>
 void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
                const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
@@ -326,7 +393,7 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
     std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = t * kTile, valid = std::min(kTile, n - r0);
+      const int64_t r0 = t * kTile;
       // NOTE: the next tile's weight rows into L2 while this one is widened and multiplied:
       // 32 rows read side by side are more streams than the hardware prefetcher follows, and
       // without this a head of 262144 rows (read from memory, not cache) took 1.2-1.3x as
@@ -336,58 +403,29 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
         const int64_t bytes = std::min(kTile, n - r0 - kTile) * row_bytes;
         for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
       }
-      // Scales (and mins less 128 * scale) as float32, transposed 16 groups x 16 rows at a
-      // time; 0 past the last row.
-      const auto* sh = reinterpret_cast<const uint16_t*>(scales);
-      const auto* mh = reinterpret_cast<const uint16_t*>(mins);
-      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        const int64_t width = std::min<int64_t>(16, groups - g0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-        for (int64_t h = 0; h < kTile; h += 16) {
-          __m512i sb[16], mb[16];
-          for (int i = 0; i < 16; ++i) {
-            const int64_t r = r0 + h + i;
-            const bool in = h + i < valid;
-            const __m512 sv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, sh + r * groups + g0))
-                                 : _mm512_setzero_ps();
-            sb[i] = _mm512_castps_si512(sv);
-            if constexpr (BITS == 4) {
-              const __m512 mv = in ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mh + r * groups + g0))
-                                   : _mm512_setzero_ps();
-              mb[i] = _mm512_castps_si512(_mm512_fnmadd_ps(_mm512_set1_ps(kInt4Offset), sv, mv));
-            }
-          }
-          transpose16(sb);
-          if constexpr (BITS == 4) transpose16(mb);
-          for (int64_t c = 0; c < width; ++c) {
-            _mm512_storeu_si512(sct.data() + (g0 + c) * kTile + h, sb[c]);
-            if constexpr (BITS == 4) _mm512_storeu_si512(mnt.data() + (g0 + c) * kTile + h, mb[c]);
-          }
-        }
-      }
-      for (int64_t j = 0; j < k; j += 32)  // 16 pairs of 16 rows a transpose
-        for (int64_t h = 0; h < kTile; h += 16) {
-          __m512i block[16];
-          for (int i = 0; i < 16; ++i)
-            block[i] = h + i < valid ? exact32<BITS>(qw + (r0 + h + i) * row_bytes, j)
-                                     : _mm512_setzero_si512();
-          transpose16(block);
-          for (int c = 0; c < 16; ++c)
-            _mm512_storeu_si512(tile.data() + (j / 2 + c) * kTile + h, block[c]);
-        }
-      for (int64_t m0 = 0; m0 < rows; m0 += kTileMR) {
-        const uint16_t* xp = x + m0 * k;
-        const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
-        c10::BFloat16* op = out + m0 * n;
-        ringserve::with_rows<kTileMR>(rows - m0, [&](auto r) {
-          tile_rows<decltype(r)::value, BITS>(xp, k, group, tile.data(), sct.data(),
-                                              mnt.data(), xs, groups, valid, bias, r0, n, op);
-        });
-      }
+      widen_tile<BITS>(qw, scales, mins, t, k, group, n, tile.data(), sct.data(), mnt.data());
+      tile_passes<BITS>(x, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
+                        mnt.data(), out);
     }
   });
 }
 #endif  // __AVX512BF16__
+
+#if defined(__AVX512BF16__)
+// Sum of each x row over each group of `group` values (4-bit weights: for the mins).
+std::vector<float> group_sums(const at::Tensor& xc, int64_t group) {
+  const int64_t rows = xc.size(0), k = xc.size(1), groups = k / group;
+  std::vector<float> xsum(static_cast<size_t>(rows * groups), 0.f);
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) s += ringserve::to_f(xp[m * k + j]);
+      xsum[m * groups + g] = s;
+    }
+  return xsum;
+}
+#endif
 
 // x: [m, k] bf16; the weight in the kernels/quant.py layout; bias [n] bf16 or None.
 // Returns [m, n] bf16. Steps of more than `tile_rows` x rows widen blocks of the weight to
@@ -406,18 +444,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const std::optional<at::Tensor> bc =
       bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   auto out = at::empty({rows, n}, x.options());
-  const int64_t groups = k / group;
-  std::vector<float> xsum;
-  if (bits == 4) {  // sum of each x row over each group, for the mins
-    xsum.assign(static_cast<size_t>(rows * groups), 0.f);
-    const auto* xp = xc.data_ptr<c10::BFloat16>();
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        float s = 0.f;
-        for (int64_t j = g * group; j < (g + 1) * group; ++j) s += ringserve::to_f(xp[m * k + j]);
-        xsum[m * groups + g] = s;
-      }
-  }
+  const std::vector<float> xsum = bits == 4 ? group_sums(xc, group) : std::vector<float>();
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const auto* sp = scales.data_ptr<c10::Half>();
@@ -438,6 +465,93 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 #endif
 }
 
+// The weight widened once, as run_tiles widens it on every call: (tiles [T, k / 2 * 32]
+// int32, scales [T, groups * 32] float32, mins less 128 * scale (4-bit; else empty)), T =
+// ceil(n / 32). A copy for steps of many rows (QuantLinear.add_packed_copy): about 2 bytes
+// a value, and the same sums as run_tiles.
+std::vector<at::Tensor> quant_tiles(const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, int64_t bits,
+                                    int64_t group) {
+  const int64_t n = qweight.size(0), k = bits == 8 ? qweight.size(1) : qweight.size(1) * 2;
+  ringserve::check_layout(qweight, scales, mins, bits, group, k);
+  TORCH_CHECK(k % 32 == 0, "quant_tiles: k must be a multiple of 32");
+  const int64_t tiles = (n + kTile - 1) / kTile, groups = k / group;
+  auto opts = qweight.options();
+  auto t = at::empty({tiles, k / 2 * kTile}, opts.dtype(at::kInt));
+  auto sc = at::empty({tiles, groups * kTile}, opts.dtype(at::kFloat));
+  auto mn = at::empty({bits == 4 ? tiles : 0, groups * kTile}, opts.dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const auto* sp = scales.data_ptr<c10::Half>();
+  const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
+  auto* tp = reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>());
+  float* scp = sc.data_ptr<float>();
+  float* mnp = bits == 4 ? mn.data_ptr<float>() : nullptr;
+  ringserve::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(static_cast<size_t>(groups * kTile));
+    for (int64_t i = t0; i < t1; ++i) {
+      float* m = mnp != nullptr ? mnp + i * groups * kTile : scratch.data();
+      if (bits == 8)
+        widen_tile<8>(qp, sp, mp, i, k, group, n, tp + i * (k / 2) * kTile,
+                      scp + i * groups * kTile, m);
+      else
+        widen_tile<4>(qp, sp, mp, i, k, group, n, tp + i * (k / 2) * kTile,
+                      scp + i * groups * kTile, m);
+    }
+  });
+  return {t, sc, mn};
+#else
+  TORCH_CHECK(false, "quant_tiles: this build has no AVX512-BF16");
+#endif
+}
+
+// y = x w^T + b over quant_tiles' copy of w: run_tiles without its widening.
+at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
+                              const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
+                              int64_t group, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "quant_linear_tiles: x must be bf16 [m, k]");
+  const int64_t k = x.size(1), rows = x.size(0), groups = k / group;
+  const int64_t count = (n + kTile - 1) / kTile;
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear_tiles: bits must be 8 or 4");
+  TORCH_CHECK(tiles.is_contiguous() && tiles.scalar_type() == at::kInt &&
+                  tiles.size(0) == count && tiles.size(1) == k / 2 * kTile,
+              "quant_linear_tiles: tiles must come from quant_tiles for this k and n");
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == count && scales.size(1) == groups * kTile,
+              "quant_linear_tiles: scales must come from quant_tiles");
+  TORCH_CHECK(bits == 8 || (mins.is_contiguous() && mins.size(0) == count),
+              "quant_linear_tiles: 4-bit tiles need their mins");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
+              "quant_linear_tiles: bias must be bf16 [n]");
+#if defined(__AVX512BF16__)
+  const at::Tensor xc = x.contiguous();
+  const std::optional<at::Tensor> bc =
+      bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  auto out = at::empty({rows, n}, x.options());
+  const std::vector<float> xsum = bits == 4 ? group_sums(xc, group) : std::vector<float>();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const auto* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = bits == 4 ? mins.data_ptr<float>() : nullptr;
+  const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint32_t* tile = tp + t * (k / 2) * kTile;
+      const float* sct = sp + t * groups * kTile;
+      if (bits == 8)
+        tile_passes<8>(xp, rows, nullptr, bp, t, k, group, n, tile, sct, nullptr, op);
+      else
+        tile_passes<4>(xp, rows, xsum.data(), bp, t, k, group, n, tile, sct,
+                       mp + t * groups * kTile, op);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "quant_linear_tiles: this build has no AVX512-BF16");
+#endif
+}
+
 bool quant_linear_supported() {
 #if defined(__AVX512BF16__)
   return true;
@@ -452,8 +566,13 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
+  m.def("quant_tiles(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group) -> Tensor[]");
+  m.def("quant_linear_tiles(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int bits, "
+        "int group, int n, Tensor? bias) -> Tensor");
 }
 
 RINGSERVE_IMPL(RINGSERVE_NS, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_tiles", &quant_tiles);
+  m.impl("quant_linear_tiles", &quant_linear_tiles);
 }
