@@ -62,10 +62,10 @@ class EngineConfig:
             prompts then slow running streams' TPOT by at most that much (at least one
             block of prefill a step). None = no cap (chunks fill max_num_batched_tokens).
         packed_head_rows: steps of at least this many rows multiply a quantized output
-            head by a bf16 copy packed for oneDNN (its bytes are logged; AVX-512 or AMX
+            head by a copy widened to bf16 once (its bytes are logged; AVX-512 or AMX
             CPUs); None = the quantized head for every step.
         packed_rows: the same for every quantized linear: steps (and prefill chunks) of
-            at least this many rows run oneDNN's bf16 GEMM on packed copies of the
+            at least this many rows multiply by copies widened to bf16 once of the
             quantized weights, which stay for smaller steps (bytes logged: about twice the
             parameters); None = off.
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.

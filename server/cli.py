@@ -42,10 +42,10 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-prefill-slowdown", float, "while streams decode, prefill chunks keep a step within "
      "this factor of a decode-only step (e.g. 2; default: no cap)"),
     ("packed-head-rows", int, "steps of at least this many rows multiply a quantized "
-     "output head by a bf16 copy packed for oneDNN (faster for large batches; costs "
+     "output head by a copy widened to bf16 once (faster for large batches; costs about "
      "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: off)"),
     ("packed-rows", int, "the same for every quantized linear: steps and prefill chunks of "
-     "at least this many rows run oneDNN's bf16 GEMM on packed copies (about 2 bytes a "
+     "at least this many rows multiply by copies widened to bf16 once (about 2 bytes a "
      "parameter more, logged; AVX-512/AMX CPUs; default: off)"),
     ("kv-events-config", str, "vLLM's KV events, e.g. '{\"enable_kv_cache_events\": true, "
      "\"endpoint\": \"tcp://*:5557\"}': what the prefix cache stores and evicts, on a ZMQ "

@@ -153,8 +153,9 @@ class QuantLinear(nn.Module):
 
 
 def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
-    """``--packed-head-rows``: give a quantized output head a packed bf16 copy for steps of
-    ``rows`` rows or more (`QuantLinear.add_packed_copy`); what was done, for the log.
+    """``--packed-head-rows``: give a quantized output head a bf16 copy (widened once) for
+    steps of ``rows`` rows or more (`QuantLinear.add_packed_copy`); what was done, for the
+    log.
 
     Raises:
         ValueError: the model has no quantized head, its activations (``dtype``) are not
@@ -167,14 +168,15 @@ def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
                          "head is not quantized: it is already a bf16 or float32 GEMM)")
     _check_packable("--packed-head-rows", dtype, head.qweight.device)
     size = head.add_packed_copy(rows)
-    return (f"output head: a packed bf16 copy for steps of >= {rows} rows "
+    return (f"output head: a bf16 copy (widened once) for steps of >= {rows} rows "
             f"(+{size / 2**20:.1f} MiB resident; fewer rows read the quantized weight)")
 
 
 def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
-    """``--packed-rows``: give every quantized linear a packed bf16 copy for steps of ``rows``
-    rows or more (`QuantLinear.add_packed_copy`): large decode batches and prefill chunks
-    then run oneDNN's bf16 GEMM, and fewer rows read the quantized weights. A head that
+    """``--packed-rows``: give every quantized linear a bf16 copy (widened once) for steps
+    of ``rows`` rows or more (`QuantLinear.add_packed_copy`): large decode batches and
+    prefill chunks then multiply without widening, and fewer rows read the quantized
+    weights. A head that
     ``--packed-head-rows`` gave a copy keeps its own row count. What was done, for the log.
 
     Raises:
@@ -187,7 +189,7 @@ def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
                          "float32 GEMMs already)")
     _check_packable("--packed-rows", dtype, layers[0].qweight.device)
     size = sum(layer.add_packed_copy(rows) for layer in layers if layer.packed_rows is None)
-    return (f"{len(layers)} quantized linears: packed bf16 copies for steps of >= {rows} "
+    return (f"{len(layers)} quantized linears: bf16 copies (widened once) for steps of >= {rows} "
             f"rows (+{size / 2**20:.1f} MiB resident; fewer rows read the quantized "
             "weights)")
 
