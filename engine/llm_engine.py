@@ -92,18 +92,13 @@ class LLMEngine:
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config, quantization=self.quantization,
                                 int16_activations=self.int16_activations)
-        if config.packed_head_rows is not None:
-            try:
-                logger.info("%s", pack_head_copy(self.model, config.packed_head_rows,
-                                                 self.dtype))
-            except ValueError as err:
-                raise InvalidRequestError(str(err), param="packed_head_rows") from None
-        if config.packed_rows is not None:
-            try:
-                logger.info("%s", pack_linear_copies(self.model, config.packed_rows,
-                                                     self.dtype))
-            except ValueError as err:
-                raise InvalidRequestError(str(err), param="packed_rows") from None
+        for param, rows, pack in (("packed_head_rows", config.packed_head_rows, pack_head_copy),
+                                  ("packed_rows", config.packed_rows, pack_linear_copies)):
+            if rows is not None:
+                try:
+                    logger.info("%s", pack(self.model, rows, self.dtype))
+                except ValueError as err:
+                    raise InvalidRequestError(str(err), param=param) from None
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
         if self.device.type == "cpu":

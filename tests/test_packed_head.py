@@ -38,16 +38,16 @@ packs = pytest.mark.skipif(
 real_quant_linear = cpu_quant.quant_linear
 
 
-def _no_quantized_call_at(layer: QuantLinear, rows: int,
+def _no_quantized_call_at(layer: QuantLinear | None, rows: int,
                           monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the quantized kernel fail for ``layer`` in steps of ``rows`` or more; the rows
-    it ran for ``layer``."""
+    """Make the quantized kernel fail for ``layer`` (None: any) in steps of ``rows`` or
+    more; the rows it ran for it."""
     seen: list[int] = []
     real = quant_linear.cpu_quant.quant_linear
 
     def guarded(x: torch.Tensor, qw: object, *args: object) -> torch.Tensor:
-        if qw is layer.qw:
-            assert x.shape[0] < rows, f"the quantized head ran {x.shape[0]} rows"
+        if layer is None or qw is layer.qw:
+            assert x.shape[0] < rows, f"a quantized linear ran {x.shape[0]} rows"
             seen.append(x.shape[0])
         return real(x, qw, *args)  # type: ignore[arg-type]
 
@@ -142,15 +142,7 @@ def test_every_quantized_linear_runs_its_copy_in_large_steps(
     assert after.resident - before.resident == copies
     assert after.per_token == before.per_token
     assert f"{len(layers)} quantized linears" in message and f"+{copies / 2**20:.1f} MiB" in message
-    rows_seen: list[int] = []
-    real = quant_linear.cpu_quant.quant_linear
-
-    def guarded(x: torch.Tensor, qw: object, *args: object) -> torch.Tensor:
-        assert x.shape[0] < 2, f"a quantized linear ran {x.shape[0]} rows"
-        rows_seen.append(x.shape[0])
-        return real(x, qw, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(quant_linear.cpu_quant, "quant_linear", guarded)
+    rows_seen = _no_quantized_call_at(None, 2, monkeypatch)
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
     assert_as_close_as_bf16(path, ids, got, expected)
     assert rows_seen and set(rows_seen) == {1}

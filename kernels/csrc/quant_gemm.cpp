@@ -425,6 +425,24 @@ std::vector<float> group_sums(const at::Tensor& xc, int64_t group) {
     }
   return xsum;
 }
+
+// What both linears read: x and the bias contiguous, the output [rows, n], and (4-bit)
+// x's group sums.
+struct Operands {
+  at::Tensor xc;
+  std::optional<at::Tensor> bc;
+  at::Tensor out;
+  std::vector<float> xsum;
+};
+Operands operands(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n,
+                  int64_t bits, int64_t group) {
+  Operands o;
+  o.xc = x.contiguous();
+  if (bias.has_value()) o.bc = bias->contiguous();
+  o.out = at::empty({x.size(0), n}, x.options());
+  if (bits == 4) o.xsum = group_sums(o.xc, group);
+  return o;
+}
 #endif
 
 // x: [m, k] bf16; the weight in the kernels/quant.py layout; bias [n] bf16 or None.
@@ -440,11 +458,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
               "quant_linear: bias must be bf16 [n]");
 #if defined(__AVX512BF16__)
-  const at::Tensor xc = x.contiguous();
-  const std::optional<at::Tensor> bc =
-      bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  auto out = at::empty({rows, n}, x.options());
-  const std::vector<float> xsum = bits == 4 ? group_sums(xc, group) : std::vector<float>();
+  const Operands prep = operands(x, bias, n, bits, group);
+  const at::Tensor& xc = prep.xc;
+  const std::optional<at::Tensor>& bc = prep.bc;
+  at::Tensor out = prep.out;
+  const std::vector<float>& xsum = prep.xsum;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const auto* sp = scales.data_ptr<c10::Half>();
@@ -524,11 +542,11 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
               "quant_linear_tiles: bias must be bf16 [n]");
 #if defined(__AVX512BF16__)
-  const at::Tensor xc = x.contiguous();
-  const std::optional<at::Tensor> bc =
-      bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  auto out = at::empty({rows, n}, x.options());
-  const std::vector<float> xsum = bits == 4 ? group_sums(xc, group) : std::vector<float>();
+  const Operands prep = operands(x, bias, n, bits, group);
+  const at::Tensor& xc = prep.xc;
+  const std::optional<at::Tensor>& bc = prep.bc;
+  at::Tensor out = prep.out;
+  const std::vector<float>& xsum = prep.xsum;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   const auto* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
   const float* sp = scales.data_ptr<float>();
