@@ -221,3 +221,25 @@ def test_the_pool_serves_only_where_libgomp_sleeps(first: str, policy: str | Non
     info = eval(out.stdout.strip().splitlines()[-1])
     assert info[4] == pool
     assert info[2] == pool  # the call ran on the pool, or on libgomp's threads
+
+
+def test_first_calls_from_many_threads_at_once() -> None:
+    """The pool of a process is made by whichever thread calls first; racing first calls
+    share one pool (and every result is right)."""
+    code = (
+        "import threading, torch\n"
+        "torch.set_num_threads(2)\n"
+        "from ringserve.kernels import cpu_build\n"
+        "assert cpu_build.available()\n"
+        "ops = cpu_build.ops()\n"
+        "go, bad = threading.Barrier(8), []\n"
+        "def call():\n"
+        "    go.wait()\n"
+        "    for _ in range(20):\n"
+        "        if ops.pool_selftest(5000, 16, 0, -1) != 5000 * 4999 // 2: bad.append(1)\n"
+        "threads = [threading.Thread(target=call) for _ in range(8)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(len(bad), ops.kernel_threads()[2])\n")
+    bad, jobs = map(int, _run(code, {}, timeout=120).split()[-2:])
+    assert bad == 0 and jobs == 8 * 20  # every call ran on the one pool that won

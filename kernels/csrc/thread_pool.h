@@ -102,9 +102,17 @@ class Pool {
   // The pool of this process (a new one after fork).
   static Pool& get() {
     static std::once_flag once;
-    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { instance() = nullptr; }); });
-    Pool*& p = instance();
-    if (p == nullptr) p = new Pool();  // NOTE: never deleted: its threads outlive main()
+    std::call_once(once, [] {
+      pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); });
+    });
+    Pool* p = instance().load(std::memory_order_acquire);
+    if (p == nullptr) {  // the first call (of this process): two threads may race here
+      Pool* fresh = new Pool();  // NOTE: never deleted: its threads outlive main()
+      if (instance().compare_exchange_strong(p, fresh, std::memory_order_acq_rel))
+        p = fresh;
+      else
+        delete fresh;  // the other thread's won; this one has started no threads
+    }
     return *p;
   }
 
@@ -169,8 +177,8 @@ class Pool {
     spin_.store(mode_ != 2);
   }
 
-  static Pool*& instance() {
-    static Pool* p = nullptr;
+  static std::atomic<Pool*>& instance() {
+    static std::atomic<Pool*> p{nullptr};
     return p;
   }
   static bool& tls_in_job() {
