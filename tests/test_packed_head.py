@@ -107,19 +107,26 @@ def test_a_model_with_the_packed_head_is_as_close_to_transformers(
     assert 1 in seen  # the one-row steps kept the quantized head
 
 
-def test_the_flag_says_where_it_cannot_work(tmp_path: pathlib.Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("flag", "without"), [("packed_head_rows", "quantized output head"),
+                                               ("packed_rows", "needs quantized linears")])
+def test_the_flags_say_where_they_cannot_work(tmp_path: pathlib.Path,
+                                              monkeypatch: pytest.MonkeyPatch, flag: str,
+                                              without: str) -> None:
     path = make_checkpoint("gemma3_text", tmp_path)
-    with pytest.raises(InvalidRequestError, match="quantized output head") as err:
-        LLM(str(path), dtype="float32", quantization="none", packed_head_rows=16,
+    with pytest.raises(InvalidRequestError, match=without) as err:
+        LLM(str(path), dtype="float32", quantization="none", **{flag: 16},
             kv_cache_memory="4MiB", max_model_len=64)
-    assert err.value.param == "packed_head_rows"
+    assert err.value.param == flag
+    with pytest.raises(InvalidRequestError, match=flag):
+        LLM(str(path), quantization="int8", **{flag: 0}, kv_cache_memory="4MiB",
+            max_model_len=64)
     real = cpu_isa.info()  # as an AVX2-only CPU runs (the conftest's cpu_variant way)
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
     with pytest.raises(InvalidRequestError, match="packs bf16") as err:
-        LLM(str(path), dtype="bfloat16", quantization="int8", packed_head_rows=16,
+        LLM(str(path), dtype="bfloat16", quantization="int8", **{flag: 16},
             kv_cache_memory="4MiB", max_model_len=64)
-    assert err.value.param == "packed_head_rows"
+    assert err.value.param == flag
+
 
 
 @packs
@@ -157,21 +164,3 @@ def test_a_head_packed_on_its_own_keeps_its_rows(tmp_path: pathlib.Path) -> None
     assert model.lm_head.packed_rows == 8
     others = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
     assert others and all(m.packed_rows == 16 for m in others)
-
-
-def test_packed_rows_says_where_it_cannot_work(tmp_path: pathlib.Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    path = make_checkpoint("gemma3_text", tmp_path)
-    with pytest.raises(InvalidRequestError, match="needs quantized linears") as err:
-        LLM(str(path), dtype="float32", quantization="none", packed_rows=16,
-            kv_cache_memory="4MiB", max_model_len=64)
-    assert err.value.param == "packed_rows"
-    with pytest.raises(InvalidRequestError, match="packed_rows"):
-        LLM(str(path), quantization="int8", packed_rows=0, kv_cache_memory="4MiB",
-            max_model_len=64)
-    real = cpu_isa.info()
-    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
-    with pytest.raises(InvalidRequestError, match="packs bf16") as err:
-        LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows=16,
-            kv_cache_memory="4MiB", max_model_len=64)
-    assert err.value.param == "packed_rows"

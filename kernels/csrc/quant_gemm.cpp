@@ -433,6 +433,10 @@ struct Operands {
   std::optional<at::Tensor> bc;
   at::Tensor out;
   std::vector<float> xsum;
+  const uint16_t* xp = nullptr;
+  const c10::BFloat16* bp = nullptr;  // null: no bias
+  c10::BFloat16* op = nullptr;
+  const float* sums() const { return xsum.empty() ? nullptr : xsum.data(); }
 };
 Operands operands(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n,
                   int64_t bits, int64_t group) {
@@ -441,6 +445,9 @@ Operands operands(const at::Tensor& x, const std::optional<at::Tensor>& bias, in
   if (bias.has_value()) o.bc = bias->contiguous();
   o.out = at::empty({x.size(0), n}, x.options());
   if (bits == 4) o.xsum = group_sums(o.xc, group);
+  o.xp = reinterpret_cast<const uint16_t*>(o.xc.data_ptr<c10::BFloat16>());
+  o.bp = o.bc.has_value() ? o.bc->data_ptr<c10::BFloat16>() : nullptr;
+  o.op = o.out.data_ptr<c10::BFloat16>();
   return o;
 }
 #endif
@@ -459,25 +466,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
               "quant_linear: bias must be bf16 [n]");
 #if defined(__AVX512BF16__)
   const Operands prep = operands(x, bias, n, bits, group);
-  const at::Tensor& xc = prep.xc;
-  const std::optional<at::Tensor>& bc = prep.bc;
-  at::Tensor out = prep.out;
-  const std::vector<float>& xsum = prep.xsum;
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const uint16_t* xp = prep.xp;
+  const c10::BFloat16* bp = prep.bp;
+  c10::BFloat16* op = prep.op;
+  const float* xsum = prep.sums();
   const auto* qp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const auto* sp = scales.data_ptr<c10::Half>();
   const c10::Half* mp = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
-  const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
-  auto* op = out.data_ptr<c10::BFloat16>();
   if (rows > tile_rows && bits == 8)
     run_tiles<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
   else if (rows > tile_rows)
-    run_tiles<4>(xp, rows, qp, sp, mp, xsum.data(), bp, k, group, n, op);
+    run_tiles<4>(xp, rows, qp, sp, mp, xsum, bp, k, group, n, op);
   else if (bits == 8)
     run_rows<8>(xp, rows, qp, sp, mp, nullptr, bp, k, group, n, op);
   else
-    run_rows<4>(xp, rows, qp, sp, mp, xsum.data(), bp, k, group, n, op);
-  return out;
+    run_rows<4>(xp, rows, qp, sp, mp, xsum, bp, k, group, n, op);
+  return prep.out;
 #else
   TORCH_CHECK(false, "quant_linear: this build has no AVX512-BF16");
 #endif
@@ -543,28 +547,23 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
               "quant_linear_tiles: bias must be bf16 [n]");
 #if defined(__AVX512BF16__)
   const Operands prep = operands(x, bias, n, bits, group);
-  const at::Tensor& xc = prep.xc;
-  const std::optional<at::Tensor>& bc = prep.bc;
-  at::Tensor out = prep.out;
-  const std::vector<float>& xsum = prep.xsum;
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const uint16_t* xp = prep.xp;
+  const float* xsum = prep.sums();
   const auto* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
   const float* sp = scales.data_ptr<float>();
   const float* mp = bits == 4 ? mins.data_ptr<float>() : nullptr;
-  const c10::BFloat16* bp = bc.has_value() ? bc->data_ptr<c10::BFloat16>() : nullptr;
-  auto* op = out.data_ptr<c10::BFloat16>();
   ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint32_t* tile = tp + t * (k / 2) * kTile;
       const float* sct = sp + t * groups * kTile;
       if (bits == 8)
-        tile_passes<8>(xp, rows, nullptr, bp, t, k, group, n, tile, sct, nullptr, op);
+        tile_passes<8>(xp, rows, nullptr, prep.bp, t, k, group, n, tile, sct, nullptr, prep.op);
       else
-        tile_passes<4>(xp, rows, xsum.data(), bp, t, k, group, n, tile, sct,
-                       mp + t * groups * kTile, op);
+        tile_passes<4>(xp, rows, xsum, prep.bp, t, k, group, n, tile, sct,
+                       mp + t * groups * kTile, prep.op);
     }
   });
-  return out;
+  return prep.out;
 #else
   TORCH_CHECK(false, "quant_linear_tiles: this build has no AVX512-BF16");
 #endif
