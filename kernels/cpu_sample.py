@@ -1,0 +1,25 @@
+"""Greedy decoding's pick on the CPU: each row's first maximum in one compiled pass.
+
+`first_max(logits)` is ``logits.max(dim=-1).indices`` (the first maximum, as argmax) for a
+[rows, vocab] tensor; bf16 and float32 CPU rows go through `csrc/first_max.cpp`, others and
+rows holding a NaN through torch, so the answer is torch's in every case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringserve.kernels.cpu_build import available, ops
+
+
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the index of each row's first maximum (torch's for a row with NaN)."""
+    if (logits.dim() != 2 or logits.device.type != "cpu" or logits.shape[1] == 0
+            or logits.dtype not in (torch.float32, torch.bfloat16) or not available()):
+        return logits.max(dim=-1).indices
+    rows = logits if logits.stride(1) == 1 else logits.contiguous()
+    out: torch.Tensor = ops().first_max(rows)
+    nan = out < 0
+    if bool(nan.any()):  # torch's max propagates NaN: its index, as it would pick
+        out[nan] = logits[nan].max(dim=-1).indices
+    return out
