@@ -56,10 +56,8 @@ inline Bf16 narrow(float f) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 widen16(const Bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using ringserve::load16;
+
 // Round to nearest even, NaN to a quiet NaN.
 inline void narrow16(__m512 f, Bf16* p) {
   const __m512i bits = _mm512_castps_si512(f);
@@ -73,7 +71,7 @@ inline void narrow16(__m512 f, Bf16* p) {
 inline __m512 round16(__m512 f) {  // f as the bf16 it rounds to, widened again
   alignas(32) Bf16 tmp[16];
   narrow16(f, tmp);
-  return widen16(tmp);
+  return load16(tmp);
 }
 #endif
 
@@ -83,9 +81,9 @@ void gelu_tanh_mul_row(const Bf16* g, const Bf16* u, int64_t n, Bf16* o) {
 #if defined(__AVX512F__)
   static_assert(kW == 16, "AVX-512 vectors of 16 floats");
   for (; i + kW <= n; i += kW) {
-    const VecF act = at::native::vectorized_gelu_approximated_with_tanh(VecF(widen16(g + i)));
+    const VecF act = at::native::vectorized_gelu_approximated_with_tanh(VecF(load16(g + i)));
     // the gelu's own rounding to bf16, then the product's
-    narrow16(_mm512_mul_ps(round16(act), widen16(u + i)), o + i);
+    narrow16(_mm512_mul_ps(round16(act), load16(u + i)), o + i);
   }
 #else
   float gf[kW], of[kW];

@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ringserve {
 
 // Widen: bf16 is the top half of a float32, so this is a shift of its bits.
@@ -34,5 +38,14 @@ inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
+
+#if defined(__AVX512F__)
+// 16 values widened to float32 in a register (bf16: a shift of each value's bits).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
 
 }  // namespace ringserve

@@ -45,14 +45,6 @@ inline void scan_scalar(const T* x, int64_t begin, int64_t end, Best& best) {
   }
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
-
 template <typename T>
 Best scan(const T* x, int64_t begin, int64_t end) {
   Best best;
@@ -67,7 +59,7 @@ Best scan(const T* x, int64_t begin, int64_t end) {
     const __m512i step = _mm512_set1_epi32(16);
     __mmask16 nan = 0;
     for (; i + 16 <= end; i += 16) {
-      const __m512 v = load16(x + i);
+      const __m512 v = ringserve::load16(x + i);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
       vmax = _mm512_mask_mov_ps(vmax, gt, v);

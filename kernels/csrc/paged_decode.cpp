@@ -58,11 +58,7 @@ inline void axpys(float* acc, const float* p, int64_t stride, const T* v, int64_
 // NOTE: explicit AVX-512 for bf16 rows: the compiler does not vectorise the widening
 // above well (measured 4-5 GB/s of KV read); here each 16-wide chunk of a K or V row is
 // widened once and used by all g heads.
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+using ringserve::load16;
 
 template <typename T>
 inline bool dots_avx512(const float* q, const T* k, int64_t g, int64_t d, float* out,
