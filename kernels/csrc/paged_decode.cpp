@@ -280,7 +280,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
                 const T* value, const C* key_cache, const C* value_cache,
                 const int32_t* tables, int64_t token, int64_t ctx, T* out,
                 std::vector<float>& scores, std::vector<float>& qbuf,
-                std::vector<float>& acc, std::vector<C>& fresh, std::vector<int64_t>& offsets,
+                std::vector<float>& acc, std::vector<C>& fresh,
                 std::vector<const C*>& krows, std::vector<const C*>& vrows) {
   const int64_t d = a.d, g = a.group;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
@@ -302,22 +302,20 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
     fresh[i] = ringserve::from_f<C>(to_f(fk[i]));
     fresh[d + i] = ringserve::from_f<C>(to_f(fv[i]));
   }
-  // Column c is position lo + c, read at offsets[c] of either cache; the last column is
-  // the fresh row. Offsets are found block by block: one table look-up a block.
-  offsets.resize(static_cast<size_t>(len));
+  // Column c is position lo + c, its rows found block by block (one table look-up a
+  // block); the last column is the fresh row.
+  krows.resize(static_cast<size_t>(len));
+  vrows.resize(static_cast<size_t>(len));
   for (int64_t p = lo; p < ctx;) {
     const int64_t logical = p / a.block_size;
     const int64_t column = a.ring > 0 ? logical % a.ring : logical;
     const int64_t first = p - logical * a.block_size;
     const int64_t base = static_cast<int64_t>(table[column]) * a.block_stride + h * d;
     const int64_t end = std::min(ctx, (logical + 1) * a.block_size);
-    for (int64_t r = first; p < end; ++p, ++r) offsets[p - lo] = base + r * row;
-  }
-  krows.resize(static_cast<size_t>(len));
-  vrows.resize(static_cast<size_t>(len));
-  for (int64_t c = 0; c + 1 < len; ++c) {
-    krows[c] = key_cache + offsets[c];
-    vrows[c] = value_cache + offsets[c];
+    for (int64_t r = first; p < end; ++p, ++r) {
+      krows[p - lo] = key_cache + base + r * row;
+      vrows[p - lo] = value_cache + base + r * row;
+    }
   }
   krows[len - 1] = fresh.data();
   vrows[len - 1] = fresh.data() + d;
@@ -363,12 +361,11 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
   ringserve::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qbuf, acc;
     std::vector<C> fresh;
-    std::vector<int64_t> offsets;
     std::vector<const C*> krows, vrows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
       decode_one<T, C>(a, seq[i], h, q, k, v, kc, vc, tb, tok[i], ctx[i], o, scores, qbuf,
-                       acc, fresh, offsets, krows, vrows);
+                       acc, fresh, krows, vrows);
     }
   });
 }
