@@ -109,9 +109,13 @@ def run_prometheus(targets: list[str], tmp: Path) -> Iterator[str]:
         stop(proc)
 
 
-def query(url: str, expr: str) -> list[dict[str, Any]]:
-    """An instant PromQL query through the HTTP API: the result's samples."""
-    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+def query(url: str, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+    """An instant PromQL query through the HTTP API (evaluated at ``at``, a Unix time, when
+    given: two queries at one time read the same scrape): the result's samples."""
+    params: dict[str, str | float] = {"query": expr}
+    if at is not None:
+        params["time"] = at
+    r = httpx.get(f"{url}/api/v1/query", params=params, timeout=10)
     body = r.json()
     if body.get("status") != "success":
         raise AssertionError(f"{expr!r}: {body}")

@@ -10,6 +10,7 @@ Each must return data against ringserve under traffic.
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -82,7 +83,9 @@ def test_prometheus_answers_vllms_dashboard_queries(server: Server,
     with run_prometheus([server.url.removeprefix("http://")], tmp_path) as prom:
         missing = missing_under_traffic(server.url, prom, QUERIES)
         assert not missing, "\n".join(missing)
-        # the same numbers under both names
-        ours = values(query(prom, f"ringserve:generation_tokens_total{M}"))
-        theirs = values(query(prom, f"vllm:generation_tokens_total{M}"))
+        # the same numbers under both names, in one scrape (read at one time: traffic ran
+        # until just now, and a scrape between two queries once made them differ)
+        now = time.time()
+        ours = values(query(prom, f"ringserve:generation_tokens_total{M}", at=now))
+        theirs = values(query(prom, f"vllm:generation_tokens_total{M}", at=now))
         assert ours == theirs and ours[0] > 0
