@@ -1,10 +1,13 @@
-"""The CPU serving path: decode rows through a compiled kernel that reads the ring in place.
+"""The CPU serving path: compiled kernels that read the ring in place.
 
 The torch reference serves a decode row by copying its whole window out of the cache
 (gather), widening the copy to float32 (a second copy) and running two bmm calls: about six
 times the bytes the attention needs, every layer. `csrc/paged_decode.cpp` reads each K and
 V row of the window once, through the block table, and writes the output row directly.
-Prefill chunks are compute-bound and stay on the reference's bmm path.
+A prefill chunk on the reference path is the whole (chunk x window) score square through
+bmm, masking and softmax, one sequence at a time from Python; `csrc/paged_prefill.cpp`
+scores each new token against only the keys it may see, every chunk of the step in one
+call.
 
 The kernel is built by `kernels.cpu_build`; where it cannot be (no compiler) the torch
 reference serves everything, as before.
@@ -15,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from ringserve.kernels.cpu_build import available, ops
-from ringserve.kernels.reference import Batch, prefill_row
 from ringserve.kernels.torch_plan import step_plan
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -45,28 +47,29 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """`kernels.paged_attention` on the CPU: same arguments, same result (see there).
 
-    Prefill rows go through the torch reference; decode rows (one new token after a
-    cached context) through the compiled kernel, which reads the ring in place.
+    Prefill rows (a chunk of new tokens, or one token without a context) go through the
+    prefill kernel, decode rows (one new token after a cached context) through the decode
+    kernel; both read the ring in place.
     """
     result = out if out is not None and out.is_contiguous() else torch.empty_like(query)
-    args = Batch(
-        query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-        block_size=key_cache.shape[1], window=sliding_window, ring=ring_blocks, scale=scale,
-        softcap=softcap, sinks=sinks,
-    )
-    plan = step_plan(block_tables, query_start_loc, context_lens, block_size=args.block_size,
-                     window=sliding_window, ring=ring_blocks)  # fmt: skip
-    for row in plan.prefill:
-        prefill_row(args, row, result)
+    plan = step_plan(block_tables, query_start_loc, context_lens,
+                     block_size=key_cache.shape[1], window=sliding_window,
+                     ring=ring_blocks)  # fmt: skip
+    tables = block_tables.to(torch.int32).contiguous()
+    sink_logits = None if sinks is None else sinks.float().contiguous()
+    if plan.prefill_index.numel():
+        ops().paged_prefill(
+            query.contiguous(), key.contiguous(), value.contiguous(), key_cache, value_cache,
+            tables, plan.prefill_index, result, scale, sliding_window or 0, ring_blocks or 0,
+            softcap or 0.0, sink_logits)  # fmt: skip
     seqs, tokens, ctxs = plan.decode_index
     if seqs.numel():
         ops().paged_decode(
             # NOTE: the caches as they are (a copy would be read, not the cache): the kernel
             # takes any block stride (views of a slab, engine/kv_cache.py) and checks them
             query.contiguous(), key.contiguous(), value.contiguous(), key_cache,
-            value_cache, block_tables.to(torch.int32).contiguous(), seqs, tokens,
-            ctxs, result, scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0,
-            None if sinks is None else sinks.float().contiguous(),
+            value_cache, tables, seqs, tokens, ctxs, result, scale, sliding_window or 0,
+            ring_blocks or 0, softcap or 0.0, sink_logits,
         )  # fmt: skip
     if out is not None and out is not result:
         out.copy_(result)

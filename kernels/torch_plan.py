@@ -65,10 +65,28 @@ class StepPlan:
     key: tuple[object, ...]
     index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     settings: tuple[int, int | None, int | None]
-    prefill: list[PrefillRow]
+    # int64 [num prefill rows, 4]: sequence index, first and end token, context length
+    prefill_index: torch.Tensor
     # int64 [num decode rows] each: sequence index, token index, context length
     decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    _prefill: list[PrefillRow] | None = None
     _decode: list[DecodeRows] | None = None
+
+    @property
+    def prefill(self) -> list[PrefillRow]:
+        """The prefill rows with the cache rows of their windows, built on first use (the
+        compiled CPU kernel reads the ring itself and needs only `prefill_index`)."""
+        if self._prefill is None:
+            block_tables = self.index[0]
+            block_size, window, ring = self.settings
+            self._prefill = []
+            for seq, start, end, ctx in self.prefill_index.tolist():
+                lo = 0 if window is None else max(0, ctx - window + 1)
+                positions = torch.arange(lo, ctx, device=block_tables.device)
+                rows = slot_rows(block_tables, seq, positions, block_size, ring)
+                self._prefill.append(PrefillRow(seq=seq, start=start, end=end, ctx=ctx, lo=lo,
+                                                rows=rows))
+        return self._prefill
 
     @property
     def decode(self) -> list[DecodeRows]:
@@ -115,10 +133,9 @@ def _build(
     settings: tuple[int, int | None, int | None],
 ) -> StepPlan:
     block_tables, query_start_loc, context_lens = index
-    block_size, window, ring = settings
     starts = query_start_loc.tolist()
     ctxs = context_lens.tolist()
-    prefill: list[PrefillRow] = []
+    prefill: list[tuple[int, int, int, int]] = []
     seqs: list[int] = []
     tokens: list[int] = []
     for seq, ctx in enumerate(ctxs):
@@ -127,15 +144,13 @@ def _build(
             seqs.append(seq)
             tokens.append(start)
         elif end > start:
-            lo = 0 if window is None else max(0, ctx - window + 1)
-            positions = torch.arange(lo, ctx, device=block_tables.device)
-            rows = slot_rows(block_tables, seq, positions, block_size, ring)
-            prefill.append(PrefillRow(seq=seq, start=start, end=end, ctx=ctx, lo=lo, rows=rows))
+            prefill.append((seq, start, end, ctx))
     dev = block_tables.device
     decode_index = (torch.tensor(seqs, dtype=torch.int64, device=dev),
                     torch.tensor(tokens, dtype=torch.int64, device=dev),
                     torch.tensor([ctxs[s] for s in seqs], dtype=torch.int64, device=dev))
-    return StepPlan(key=key, index=index, settings=settings, prefill=prefill,
+    prefill_index = torch.tensor(prefill, dtype=torch.int64, device=dev).view(-1, 4)
+    return StepPlan(key=key, index=index, settings=settings, prefill_index=prefill_index,
                     decode_index=decode_index)
 
 
@@ -144,17 +159,10 @@ def _rebind(
     key: tuple[object, ...],
     index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> StepPlan:
-    """`sibling`'s plan for other block tables: the same rows, the prefill gathers redone."""
-    block_tables = index[0]
-    block_size, _, ring = sibling.settings
-    prefill = [
-        PrefillRow(seq=row.seq, start=row.start, end=row.end, ctx=row.ctx, lo=row.lo,
-                   rows=slot_rows(block_tables, row.seq,
-                                  torch.arange(row.lo, row.ctx, device=block_tables.device),
-                                  block_size, ring))
-        for row in sibling.prefill]  # fmt: skip
-    return StepPlan(key=key, index=index, settings=sibling.settings, prefill=prefill,
-                    decode_index=sibling.decode_index)
+    """`sibling`'s plan for other block tables: the same rows (their gathers, built on first
+    use, read the new tables)."""
+    return StepPlan(key=key, index=index, settings=sibling.settings,
+                    prefill_index=sibling.prefill_index, decode_index=sibling.decode_index)
 
 
 def _length_groups(ctxs: list[int], window: int | None) -> list[list[int]]:

@@ -66,6 +66,23 @@ def test_long_ragged_decode_batch_matches_reference(cpu_variant: str,
     assert_close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [512, 40, None], ids=["w512", "w40", "full"])
+def test_long_prefill_chunks_match_dense(cpu_variant: str, dtype: torch.dtype,
+                                         window: int | None) -> None:
+    """Chunks of many query tiles (the prefill kernel's items are 32 tokens) after cached
+    contexts that have wrapped the ring, beside decode rows and an empty row, Gemma-3's
+    heads (4 q / 1 kv, d 256); every output row starts as NaN."""
+    seqs = [(0, 100), (700, 70), (30, 33), (511, 64), (5, 1), (9, 0), (0, 1), (64, 31)]
+    case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=256, block_size=16,
+                     window=window, ring=window is not None, dtype=dtype, seed=11)
+    out = torch.full_like(case.query, float("nan"))
+    got = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu", out=out)
+    assert_close(got, dense_attention(case), dtype)
+    ref = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="torch")
+    assert_close(got, ref, dtype)
+
+
 def test_cpu_path_does_not_mutate_inputs() -> None:
     case = make_case([(19, 4), (33, 1), (0, 2), (5, 0), (40, 1)], softcap=2.0, seed=5)
     before = [t.clone() for t in case.tensors()]
