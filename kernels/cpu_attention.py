@@ -7,7 +7,9 @@ V row of the window once, through the block table, and writes the output row dir
 A prefill chunk on the reference path is the whole (chunk x window) score square through
 bmm, masking and softmax, one sequence at a time from Python; `csrc/paged_prefill.cpp`
 scores each new token against only the keys it may see, every chunk of the step in one
-call.
+call. It serves on AVX-512 classes; on AVX2 and portable builds its rows are plain loops
+the compiler vectorises, which measured 0.45-0.9x of torch's bmm path
+(`benchmarks/prefill_attention_bench.py --variant avx2`), so those keep the torch path.
 
 The kernel is built by `kernels.cpu_build`; where it cannot be (no compiler) the torch
 reference serves everything, as before.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.kernels import cpu_isa
 from ringserve.kernels.cpu_build import available, ops
+from ringserve.kernels.reference import Batch, prefill_row
 from ringserve.kernels.torch_plan import step_plan
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -44,12 +48,14 @@ def paged_attention_cpu(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    compiled_prefill: bool | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` on the CPU: same arguments, same result (see there).
 
     Prefill rows (a chunk of new tokens, or one token without a context) go through the
     prefill kernel, decode rows (one new token after a cached context) through the decode
-    kernel; both read the ring in place.
+    kernel; both read the ring in place. ``compiled_prefill``: whether prefill rows take
+    the compiled kernel (None: on AVX-512 classes, module doc) or the torch reference.
     """
     result = out if out is not None and out.is_contiguous() else torch.empty_like(query)
     plan = step_plan(block_tables, query_start_loc, context_lens,
@@ -57,11 +63,20 @@ def paged_attention_cpu(
                      ring=ring_blocks)  # fmt: skip
     tables = block_tables.to(torch.int32).contiguous()
     sink_logits = None if sinks is None else sinks.float().contiguous()
-    if plan.prefill_index.numel():
+    if compiled_prefill is None:
+        compiled_prefill = cpu_isa.info().at_least("avx512")
+    if plan.prefill_index.numel() and compiled_prefill:
         ops().paged_prefill(
             query.contiguous(), key.contiguous(), value.contiguous(), key_cache, value_cache,
             tables, plan.prefill_index, result, scale, sliding_window or 0, ring_blocks or 0,
             softcap or 0.0, sink_logits)  # fmt: skip
+    elif plan.prefill_index.numel():
+        args = Batch(query=query, key=key, value=value, key_cache=key_cache,
+                     value_cache=value_cache, block_size=key_cache.shape[1],
+                     window=sliding_window, ring=ring_blocks, scale=scale, softcap=softcap,
+                     sinks=sinks)  # fmt: skip
+        for row in plan.prefill:
+            prefill_row(args, row, result)
     seqs, tokens, ctxs = plan.decode_index
     if seqs.numel():
         ops().paged_decode(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringserve import kernels
-from ringserve.kernels import cpu_build
+from ringserve.kernels import cpu_attention, cpu_build
 from ringserve.kernels.checks import pick_backend
 from tests.kernel_utils import (
     CASE_IDS,
@@ -40,6 +40,10 @@ def test_cpu_kernel_matches_dense(cpu_variant: str, name: str, seqs: list[tuple[
         res = kernels.paged_attention(*case.tensors(), **case.kwargs(), out=out)
     else:
         res = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu", out=out)
+        # the prefill kernel too where this class keeps prefill rows on torch's path
+        compiled = cpu_attention.paged_attention_cpu(*case.tensors(), **case.kwargs(),
+                                                     compiled_prefill=True)
+        assert_close(compiled, dense_attention(case), case.query.dtype)
     assert res is out
     assert_close(out, dense_attention(case), case.query.dtype)
 
@@ -51,6 +55,9 @@ def test_cpu_kernel_random_configs(cpu_variant: str, seed: int) -> None:
     case = make_case(seqs, **kwargs)
     out = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu")
     assert_close(out, dense_attention(case), case.query.dtype)
+    compiled = cpu_attention.paged_attention_cpu(*case.tensors(), **case.kwargs(),
+                                                 compiled_prefill=True)
+    assert_close(compiled, dense_attention(case), case.query.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,11 +83,14 @@ def test_long_prefill_chunks_match_dense(cpu_variant: str, dtype: torch.dtype,
     seqs = [(0, 100), (700, 70), (30, 33), (511, 64), (5, 1), (9, 0), (0, 1), (64, 31)]
     case = make_case(seqs, num_heads=4, num_kv_heads=1, head_dim=256, block_size=16,
                      window=window, ring=window is not None, dtype=dtype, seed=11)
-    out = torch.full_like(case.query, float("nan"))
-    got = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu", out=out)
-    assert_close(got, dense_attention(case), dtype)
+    want = dense_attention(case)
     ref = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="torch")
-    assert_close(got, ref, dtype)
+    for compiled in (True, None):  # the kernel in every variant; what this class serves
+        out = torch.full_like(case.query, float("nan"))
+        got = cpu_attention.paged_attention_cpu(*case.tensors(), **case.kwargs(), out=out,
+                                                compiled_prefill=compiled)
+        assert_close(got, want, dtype)
+        assert_close(got, ref, dtype)
 
 
 def test_cpu_path_does_not_mutate_inputs() -> None:
