@@ -38,7 +38,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("block-size", int, "tokens per KV block"),
     ("kv-cache-memory", str, "bytes for the KV cache (one pool for all layers), e.g. 2GiB"),
     ("max-num-seqs", int, "sequences running at once"),
-    ("max-num-batched-tokens", int, "tokens per engine step"),
+    ("max-num-batched-tokens", int, "tokens per engine step (unset: 512 on the CPU, at "
+     "least max-num-seqs; 2048 on CUDA)"),
     ("max-prefill-slowdown", float, "while streams decode, prefill chunks keep a step within "
      "this factor of a decode-only step (e.g. 2; default: no cap)"),
     ("packed-head-rows", int, "steps of at least this many rows multiply a quantized "
