@@ -3,9 +3,11 @@ layouts, beside the memory-read ceiling measured in the same run.
 
 Paths (`kernels.cpu_quant`): int16 activations (integer madd), float32 FMA over the weight
 widened in registers (compact), and, on a variant with AVX512-BF16, dpbf16 with bf16
-activations. Each time is the median of many calls; GB/s counts the weight bytes a call
-must read (values, scales, mins), and "of read" is that against a 256 MB torch sum with the
-same threads (the ceiling of a one-row call; more rows are compute-bound by design).
+activations, beside its peer: torch's bf16 linear (oneDNN) over the same weight dequantized
+to bf16, the GEMM a bf16 server runs (GFLOP/s for both). Each time is the median of many
+calls; GB/s counts the weight bytes a call must read (values, scales, mins), and "of read"
+is that against a 256 MB torch sum with the same threads (the ceiling of a one-row call;
+more rows are compute-bound by design).
 
     python benchmarks/quant_linear_bench.py                     # this CPU's variant
     python benchmarks/quant_linear_bench.py --variant avx2      # as an AVX2-only CPU runs
@@ -31,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ringserve.kernels import cpu_build, cpu_isa
-from ringserve.kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
+from ringserve.kernels.quant import QuantizedWeight, dequantize, quantize_int4, quantize_int8
 
 # (name, n, k, bits, group): gemma-3-270m's linears as its Q4_K_M GGUF stores them
 # (tests/test_gemma_preset.py checks these layouts), the head cut from 262,144 rows to
@@ -83,7 +85,12 @@ def row(ops: object, name: str, qw: QuantizedWeight, x: torch.Tensor, seconds: f
     if dpbf16:
         xb = x.bfloat16()
         bf = median_ms(lambda: ops.quant_linear(xb, *args, 12), seconds)  # type: ignore[attr-defined]
-        line += f" {bf:>9.3f}"
+        # the peer: torch's bf16 linear (oneDNN) over the weight dequantized to bf16, what
+        # a bf16 server (vLLM's CPU build) multiplies by
+        dense = dequantize(qw, torch.bfloat16)
+        peer = median_ms(lambda: torch.nn.functional.linear(xb, dense), seconds)
+        flops = 2 * x.shape[0] * n * k
+        line += f" {bf:>9.3f} {flops / bf / 1e6:>7.0f} {peer:>8.3f} {flops / peer / 1e6:>8.0f}"
     return line
 
 
@@ -109,7 +116,8 @@ def main() -> None:
     dpbf16 = bool(ops.quant_linear_supported())
     header = f"{'linear':<8} {'n x k':>12} {'layout':>9} {'rows':>4} {'int16 ms':>9} " \
              f"{'GB/s':>5} {'of read':>7} {'fma ms':>7} {'fma/int16':>9}"
-    print(header + (f" {'dpbf16 ms':>9}" if dpbf16 else ""))
+    print(header + (f" {'dpbf16 ms':>9} {'GFLOP/s':>7} {'torch ms':>8} {'GFLOP/s':>8}"
+                    if dpbf16 else ""))
     torch.manual_seed(0)
     for name, n, k, bits, group in SHAPES:
         if name == "head" and args.full_head:
