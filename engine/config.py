@@ -67,7 +67,9 @@ class EngineConfig:
         packed_rows: the same for every quantized linear: steps (and prefill chunks) of
             at least this many rows multiply by copies widened to bf16 once of the
             quantized weights, which stay for smaller steps (bytes logged: about twice the
-            parameters); None = off.
+            parameters); None = off; "auto" = 16 where the copies are the kernels' own
+            bf16 tiles (AVX512-BF16 or AMX) and take at most a quarter of the memory
+            available (`engine.models.quant_linear.auto_packed_rows`), else off.
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
@@ -100,7 +102,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
-    packed_rows: int | None = None
+    packed_rows: int | str | None = None
     scheduling_policy: str = "fcfs"
     kv_events_config: str | dict[str, Any] | None = None
     max_model_len: int | None = None
@@ -126,8 +128,9 @@ class EngineConfig:
              "must be fcfs or lpm"),
             ("packed_head_rows", self.packed_head_rows is None or self.packed_head_rows >= 1,
              "must be >= 1 (or None: off)"),
-            ("packed_rows", self.packed_rows is None or self.packed_rows >= 1,
-             "must be >= 1 (or None: off)"),
+            ("packed_rows", self.packed_rows is None or self.packed_rows == "auto"
+             or (isinstance(self.packed_rows, int) and self.packed_rows >= 1),
+             "must be >= 1, \"auto\" (or None: off)"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),
         ]

@@ -33,7 +33,11 @@ from ringserve.engine.kv_events import (
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
-from ringserve.engine.models.quant_linear import pack_head_copy, pack_linear_copies
+from ringserve.engine.models.quant_linear import (
+    auto_packed_rows,
+    pack_head_copy,
+    pack_linear_copies,
+)
 from ringserve.engine.outputs import Request
 from ringserve.engine.request_check import (
     CheckedRequest,
@@ -92,8 +96,14 @@ class LLMEngine:
         self.model = load_model(resolved.path, dtype=self.dtype, device=self.device,
                                 hf_config=hf_config, quantization=self.quantization,
                                 int16_activations=self.int16_activations)
+        packed_rows: int | None
+        if config.packed_rows == "auto":
+            packed_rows, why = auto_packed_rows(self.model, self.dtype)
+            logger.info("packed rows auto: %s (%s)", packed_rows or "off", why)
+        else:
+            packed_rows = None if config.packed_rows is None else int(config.packed_rows)
         for param, rows, pack in (("packed_head_rows", config.packed_head_rows, pack_head_copy),
-                                  ("packed_rows", config.packed_rows, pack_linear_copies)):
+                                  ("packed_rows", packed_rows, pack_linear_copies)):
             if rows is not None:
                 try:
                     logger.info("%s", pack(self.model, rows, self.dtype))

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -22,7 +23,17 @@ logger = logging.getLogger("ringserve.server")
 # uvicorn cancels what is still open: an orchestrator's grace period must cover both.
 ABORT_GRACE_S = 10
 
-FLAGS: list[tuple[str, type, str]] = [
+def _rows_or_auto(text: str | int) -> int | str:
+    """A row count, "auto" or "off" (argparse names the flag when it is none of them)."""
+    if str(text).lower() in ("auto", "off"):
+        return str(text).lower()
+    rows = int(text)
+    if rows < 1:
+        raise ValueError(text)
+    return rows
+
+
+FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("model", str, "preset name, HF folder or .gguf file"),
     ("served-model-name", str, "the model name clients send"),
     ("host", str, "address to bind (default 127.0.0.1: this machine only)"),
@@ -45,9 +56,11 @@ FLAGS: list[tuple[str, type, str]] = [
     ("packed-head-rows", int, "steps of at least this many rows multiply a quantized "
      "output head by a copy widened to bf16 once (faster for large batches; costs about "
      "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: off)"),
-    ("packed-rows", int, "the same for every quantized linear: steps and prefill chunks of "
-     "at least this many rows multiply by copies widened to bf16 once (about 2 bytes a "
-     "parameter more, logged; AVX-512/AMX CPUs; default: off)"),
+    ("packed-rows", _rows_or_auto, "the same for every quantized linear: steps and "
+     "prefill chunks of at least this many rows multiply by copies widened to bf16 once "
+     "(about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); auto: 16 where the copies "
+     "are the kernels' bf16 tiles (AVX512-BF16/AMX) and fit in a quarter of the available "
+     "memory; off"),
     ("kv-events-config", str, "vLLM's KV events, e.g. '{\"enable_kv_cache_events\": true, "
      "\"endpoint\": \"tcp://*:5557\"}': what the prefix cache stores and evicts, on a ZMQ "
      "PUB socket for a router (docs/metrics.md; default: off)"),
@@ -141,6 +154,8 @@ def _serve_args(ns: argparse.Namespace) -> ServeArgs:
         kwargs["tool_call_parser"] = None
     if kwargs.get("metrics_compat") == "none":
         kwargs["metrics_compat"] = None
+    if kwargs.get("packed_rows") == "off":
+        kwargs["packed_rows"] = None
     return ServeArgs(**kwargs)
 
 

@@ -39,7 +39,7 @@ class ServeArgs:
     max_num_batched_tokens: int | None = None  # None: step_tokens() picks by device
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
-    packed_rows: int | None = None
+    packed_rows: int | str | None = "auto"  # None: off
     scheduling_policy: str = "fcfs"
     kv_events_config: str | None = None  # vLLM's JSON: the prefix cache's events over ZMQ
     max_model_len: int | None = None

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch
 
-from ringserve.engine import LLM, InvalidRequestError
+from ringserve.engine import LLM, InvalidRequestError, SamplingParams
 from ringserve.engine.loading import load_model
 from ringserve.engine.loading.quantize import weight_bytes
 from ringserve.engine.models import quant_linear
@@ -164,3 +164,73 @@ def test_a_head_packed_on_its_own_keeps_its_rows(tmp_path: pathlib.Path) -> None
     assert model.lm_head.packed_rows == 8
     others = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
     assert others and all(m.packed_rows == 16 for m in others)
+
+
+def _linears(llm: LLM) -> list[QuantLinear]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+
+
+@pytest.mark.skipif(not cpu_quant.has_tiles(), reason="packed_rows='auto' packs only where "
+                    "the kernels have bf16 tiles: AVX512-BF16 or AMX, which this CPU (or its "
+                    "RINGSERVE_CPU_ISA cap) lacks")
+def test_auto_packs_every_quantized_linear_where_the_tiles_are(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    with caplog.at_level("INFO", logger="ringserve.engine"):
+        llm = LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows="auto",
+                  kv_cache_memory="4MiB", max_model_len=64)
+    layers = _linears(llm)
+    assert layers and all(m.packed_rows == quant_linear.AUTO_PACKED_ROWS and m.copies()
+                          for m in layers)
+    assert f"packed rows auto: {quant_linear.AUTO_PACKED_ROWS}" in caplog.text
+    seen = _no_quantized_call_at(None, quant_linear.AUTO_PACKED_ROWS, monkeypatch)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": random_tokens(8, seed=i)} for i in range(20)],
+                       params)  # 20-row steps: the copies serve them
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    assert seen == [] or max(seen) < quant_linear.AUTO_PACKED_ROWS
+
+
+def test_auto_stays_off_where_the_copies_would_not_pay(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """float32 activations, a class without bf16 tiles (as an AVX2-only CPU runs), or too
+    little memory: no copies, and the log says why."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    kw = {"quantization": "int8", "packed_rows": "auto", "kv_cache_memory": "4MiB",
+          "max_model_len": 64}
+    with caplog.at_level("INFO", logger="ringserve.engine"):
+        llm = LLM(str(path), dtype="float32", **kw)
+    assert not any(m.copies() for m in _linears(llm))
+    assert "packed rows auto: off (needs bf16 activations" in caplog.text
+    monkeypatch.setattr(quant_linear, "available_memory", lambda: 2**20)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringserve.engine"):
+        llm = LLM(str(path), dtype="bfloat16", **kw)
+    assert not any(m.copies() for m in _linears(llm))
+    assert "off (" in caplog.text and "of the memory available (1 MiB)" in caplog.text
+    real = cpu_isa.info()
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
+    monkeypatch.setattr(quant_linear, "available_memory", lambda: 2**40)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringserve.engine"):
+        llm = LLM(str(path), dtype="bfloat16", **kw)
+    assert not any(m.copies() for m in _linears(llm))
+    assert "no bf16 tiles" in caplog.text
+
+
+def test_packed_rows_takes_a_count_auto_or_off() -> None:
+    from ringserve.server import cli
+
+    def served(*flags: str) -> object:
+        return cli._serve_args(cli.build_parser().parse_args(["serve", *flags])).packed_rows
+
+    assert served() == "auto"  # configs/server.yaml
+    assert served("--packed-rows", "32") == 32
+    assert served("--packed-rows", "off") is None
+    with pytest.raises(SystemExit):
+        served("--packed-rows", "0")
+    with pytest.raises(InvalidRequestError, match="packed_rows") as err:
+        LLM("unused", packed_rows="sometimes")
+    assert err.value.param == "packed_rows"
