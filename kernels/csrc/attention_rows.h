@@ -9,12 +9,15 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
 
 #include "bf16.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #ifndef RINGSERVE_NS
 #define RINGSERVE_NS ringserve
@@ -256,6 +259,75 @@ inline void softmax(float* sc, int64_t len, float softcap, float sink) {
   for (int64_t i = 0; i < len; ++i) sc[i] *= inv;
 }
 
+// What both kernels read from their arguments.
+struct Args {
+  // block_stride: elements from one block of a cache to the next (a view of one layer of
+  // a slab row per block holding several layers: engine/kv_cache.py)
+  int64_t kv_heads, group, d, block_size, block_stride, window, ring, table_width;
+  float scale, softcap;
+  const float* sinks;  // [num_heads] or null
+};
+
+// The checks both ops make of their common arguments, and their Args; `op` names the op
+// in an error. Each block's rows contiguous; blocks any whole number of rows apart, equal
+// for K and V; query, K/V and out of one dtype, the two caches of one dtype.
+inline Args attention_args(const char* op, const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& out, double scale, int64_t window, int64_t ring,
+                           double softcap, const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
+                  block_tables.is_contiguous() && out.is_contiguous(),
+              op, ": tensors must be contiguous");
+  const int64_t cache_row = key_cache.size(2) * key_cache.size(3);
+  for (const at::Tensor* c : {&key_cache, &value_cache})
+    TORCH_CHECK(c->dim() == 4 && c->stride(3) == 1 && c->stride(2) == c->size(3) &&
+                    c->stride(1) == cache_row && c->stride(0) >= c->size(1) * cache_row &&
+                    c->stride(0) == key_cache.stride(0) && c->sizes() == key_cache.sizes(),
+                op, ": each cache block's rows must be contiguous, K and V alike");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt, op, ": block_tables must be int32");
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == ct && key.scalar_type() == qt &&
+                  value.scalar_type() == qt && out.scalar_type() == qt,
+              op, ": K/V share the query's dtype, the two caches one dtype");
+  Args a;
+  a.kv_heads = key_cache.size(2);
+  a.d = key_cache.size(3);
+  a.group = query.size(1) / a.kv_heads;
+  a.block_size = key_cache.size(1);
+  a.block_stride = key_cache.stride(0);
+  a.window = window;
+  a.ring = ring;
+  a.table_width = block_tables.size(1);
+  a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
+  a.sinks = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == query.size(1),
+                op, ": sinks must be float32 [num_heads], contiguous");
+    a.sinks = sinks->data_ptr<float>();
+  }
+  return a;
+}
+
+// f(T{}, C{}) for the activations' type T and the cache's C: float32 or bf16 queries over a
+// cache of their dtype, or float32 queries over a bf16 cache.
+template <typename F>
+void dispatch_dtypes(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
+                     F&& f) {
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  if (qt == at::kFloat && ct == at::kFloat) {
+    f(float{}, float{});
+  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
+    f(c10::BFloat16{}, c10::BFloat16{});
+  } else if (qt == at::kFloat && ct == at::kBFloat16) {
+    f(float{}, c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 queries over a cache of their dtype, or "
+                "float32 queries over a bfloat16 cache");
+  }
+}
 
 }  // namespace RINGSERVE_NS
 }  // namespace ringserve

@@ -34,14 +34,6 @@ namespace {
 using ringserve::to_f;
 using namespace ringserve::RINGSERVE_NS;
 
-struct Args {
-  // block_stride: elements from one block of a cache to the next (a view of one layer of
-  // a slab row per block holding several layers: engine/kv_cache.py)
-  int64_t kv_heads, group, d, block_size, block_stride, window, ring, table_width;
-  float scale, softcap;
-  const float* sinks;  // [num_heads] or null
-};
-
 // Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group. T is
 // the activations' type, C the cache's (bf16 under float32 activations with
 // kv_cache_dtype=bfloat16); the fresh K/V row is rounded to C first, as the cache will hold
@@ -148,55 +140,15 @@ void paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tens
                   const at::Tensor& tokens, const at::Tensor& context_lens, at::Tensor out,
                   double scale, int64_t window, int64_t ring, double softcap,
                   const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
-                  block_tables.is_contiguous() && out.is_contiguous(),
-              "paged_decode: tensors must be contiguous");
-  // Each block's rows contiguous; blocks any whole number of rows apart, equal for K and V.
-  const int64_t cache_row = key_cache.size(2) * key_cache.size(3);
-  for (const at::Tensor* c : {&key_cache, &value_cache})
-    TORCH_CHECK(c->dim() == 4 && c->stride(3) == 1 && c->stride(2) == c->size(3) &&
-                    c->stride(1) == cache_row && c->stride(0) >= c->size(1) * cache_row &&
-                    c->stride(0) == key_cache.stride(0) && c->sizes() == key_cache.sizes(),
-                "paged_decode: each cache block's rows must be contiguous, K and V alike");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_decode: block_tables must be int32");
+  const Args a = attention_args("paged_decode", query, key, value, key_cache, value_cache,
+                                block_tables, out, scale, window, ring, softcap, sinks);
   TORCH_CHECK(seq_ids.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong,
               "paged_decode: seq_ids, tokens, context_lens must be int64");
-  Args a;
-  a.kv_heads = key_cache.size(2);
-  a.d = key_cache.size(3);
-  a.group = query.size(1) / a.kv_heads;
-  a.block_size = key_cache.size(1);
-  a.block_stride = key_cache.stride(0);
-  a.window = window;
-  a.ring = ring;
-  a.table_width = block_tables.size(1);
-  a.scale = static_cast<float>(scale);
-  a.softcap = static_cast<float>(softcap);
-  a.sinks = nullptr;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
-                    sinks->numel() == query.size(1),
-                "paged_decode: sinks must be float32 [num_heads], contiguous");
-    a.sinks = sinks->data_ptr<float>();
-  }
-  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
-  TORCH_CHECK(value_cache.scalar_type() == ct && key.scalar_type() == qt &&
-                  value.scalar_type() == qt && out.scalar_type() == qt,
-              "paged_decode: K/V share the query's dtype, the two caches one dtype");
-  if (qt == at::kFloat && ct == at::kFloat) {
-    run<float, float>(a, query, key, value, key_cache, value_cache, block_tables, seq_ids,
-                      tokens, context_lens, out);
-  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(a, query, key, value, key_cache, value_cache,
-                                      block_tables, seq_ids, tokens, context_lens, out);
-  } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    run<float, c10::BFloat16>(a, query, key, value, key_cache, value_cache, block_tables,
-                              seq_ids, tokens, context_lens, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries over a cache of their dtype, "
-                "or float32 queries over a bfloat16 cache");
-  }
+  dispatch_dtypes("paged_decode", query, key_cache, [&](auto t, auto c) {
+    run<decltype(t), decltype(c)>(a, query, key, value, key_cache, value_cache, block_tables,
+                                  seq_ids, tokens, context_lens, out);
+  });
 }
 
 }  // namespace

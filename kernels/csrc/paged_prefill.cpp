@@ -36,12 +36,6 @@ using namespace ringserve::RINGSERVE_NS;
 // Query tokens a work item: its keys (kQueryTile + window - 1 rows of K and V) stay in L2.
 constexpr int64_t kQueryTile = 32;
 
-struct Args {
-  int64_t kv_heads, group, d, block_size, block_stride, window, ring, table_width;
-  float scale, softcap;
-  const float* sinks;  // [num_heads] or null
-};
-
 // One prefill row: the new tokens start..end of sequence seq, after ctx cached positions.
 struct Row {
   int64_t seq, start, end, ctx;
@@ -191,38 +185,11 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Ten
                    const at::Tensor& block_tables, const at::Tensor& prefill_rows,
                    at::Tensor out, double scale, int64_t window, int64_t ring, double softcap,
                    const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous() &&
-                  block_tables.is_contiguous() && out.is_contiguous() &&
-                  prefill_rows.is_contiguous(),
-              "paged_prefill: tensors must be contiguous");
-  const int64_t cache_row = key_cache.size(2) * key_cache.size(3);
-  for (const at::Tensor* c : {&key_cache, &value_cache})
-    TORCH_CHECK(c->dim() == 4 && c->stride(3) == 1 && c->stride(2) == c->size(3) &&
-                    c->stride(1) == cache_row && c->stride(0) >= c->size(1) * cache_row &&
-                    c->stride(0) == key_cache.stride(0) && c->sizes() == key_cache.sizes(),
-                "paged_prefill: each cache block's rows must be contiguous, K and V alike");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "paged_prefill: block_tables must be int32");
-  TORCH_CHECK(prefill_rows.scalar_type() == at::kLong && prefill_rows.dim() == 2 &&
-                  prefill_rows.size(1) == 4,
+  const Args a = attention_args("paged_prefill", query, key, value, key_cache, value_cache,
+                                block_tables, out, scale, window, ring, softcap, sinks);
+  TORCH_CHECK(prefill_rows.is_contiguous() && prefill_rows.scalar_type() == at::kLong &&
+                  prefill_rows.dim() == 2 && prefill_rows.size(1) == 4,
               "paged_prefill: prefill_rows must be int64 [n, 4] (seq, start, end, ctx)");
-  Args a;
-  a.kv_heads = key_cache.size(2);
-  a.d = key_cache.size(3);
-  a.group = query.size(1) / a.kv_heads;
-  a.block_size = key_cache.size(1);
-  a.block_stride = key_cache.stride(0);
-  a.window = window;
-  a.ring = ring;
-  a.table_width = block_tables.size(1);
-  a.scale = static_cast<float>(scale);
-  a.softcap = static_cast<float>(softcap);
-  a.sinks = nullptr;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
-                    sinks->numel() == query.size(1),
-                "paged_prefill: sinks must be float32 [num_heads], contiguous");
-    a.sinks = sinks->data_ptr<float>();
-  }
   std::vector<Row> rows(static_cast<size_t>(prefill_rows.size(0)));
   const int64_t* pr = prefill_rows.data_ptr<int64_t>();
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -232,22 +199,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Ten
                     rows[i].ctx >= 0,
                 "paged_prefill: prefill row ", i, " is out of range");
   }
-  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
-  TORCH_CHECK(value_cache.scalar_type() == ct && key.scalar_type() == qt &&
-                  value.scalar_type() == qt && out.scalar_type() == qt,
-              "paged_prefill: K/V share the query's dtype, the two caches one dtype");
-  if (qt == at::kFloat && ct == at::kFloat) {
-    run<float, float>(a, rows, query, key, value, key_cache, value_cache, block_tables, out);
-  } else if (qt == at::kBFloat16 && ct == at::kBFloat16) {
-    run<c10::BFloat16, c10::BFloat16>(a, rows, query, key, value, key_cache, value_cache,
-                                      block_tables, out);
-  } else if (qt == at::kFloat && ct == at::kBFloat16) {
-    run<float, c10::BFloat16>(a, rows, query, key, value, key_cache, value_cache,
-                              block_tables, out);
-  } else {
-    TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 queries over a cache of their "
-                "dtype, or float32 queries over a bfloat16 cache");
-  }
+  dispatch_dtypes("paged_prefill", query, key_cache, [&](auto t, auto c) {
+    run<decltype(t), decltype(c)>(a, rows, query, key, value, key_cache, value_cache,
+                                  block_tables, out);
+  });
 }
 
 }  // namespace
