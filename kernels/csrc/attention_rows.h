@@ -268,6 +268,27 @@ struct Args {
   const float* sinks;  // [num_heads] or null
 };
 
+// The cache rows of kv head h for positions [lo, hi) of the sequence whose block table is
+// `table`, into krows / vrows [0, hi - lo): position p lives at slot p % b of block
+// table[(p / b) % R] (a ring of R blocks; table[p / b] without one: docs/design.md §2),
+// found block by block (one table look-up a block, no division per position).
+template <typename C>
+inline void ring_rows(const Args& a, const int32_t* table, int64_t h, int64_t lo, int64_t hi,
+                      const C* key_cache, const C* value_cache, const C** krows,
+                      const C** vrows) {
+  const int64_t slot = a.kv_heads * a.d;  // elements per cache slot
+  for (int64_t p = lo; p < hi;) {
+    const int64_t logical = p / a.block_size;
+    const int64_t column = a.ring > 0 ? logical % a.ring : logical;
+    const int64_t base = static_cast<int64_t>(table[column]) * a.block_stride + h * a.d;
+    const int64_t end = std::min(hi, (logical + 1) * a.block_size);
+    for (int64_t r = p - logical * a.block_size; p < end; ++p, ++r) {
+      krows[p - lo] = key_cache + base + r * slot;
+      vrows[p - lo] = value_cache + base + r * slot;
+    }
+  }
+}
+
 // The checks both ops make of their common arguments, and their Args; `op` names the op
 // in an error. Each block's rows contiguous; blocks any whole number of rows apart, equal
 // for K and V; query, K/V and out of one dtype, the two caches of one dtype.

@@ -51,7 +51,6 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   scores.resize(static_cast<size_t>(g * len));
   qbuf.resize(static_cast<size_t>(g * d));
   acc.assign(static_cast<size_t>(g * d), 0.f);
-  const int64_t row = a.kv_heads * d;  // elements per cache slot
   for (int64_t j = 0; j < g; ++j) {
     const T* q = query + (token * a.kv_heads * g + h * g + j) * d;
     for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = to_f(q[i]) * a.scale;
@@ -69,17 +68,7 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   // block); the last column is the fresh row.
   krows.resize(static_cast<size_t>(len));
   vrows.resize(static_cast<size_t>(len));
-  for (int64_t p = lo; p < ctx;) {
-    const int64_t logical = p / a.block_size;
-    const int64_t column = a.ring > 0 ? logical % a.ring : logical;
-    const int64_t first = p - logical * a.block_size;
-    const int64_t base = static_cast<int64_t>(table[column]) * a.block_stride + h * d;
-    const int64_t end = std::min(ctx, (logical + 1) * a.block_size);
-    for (int64_t r = first; p < end; ++p, ++r) {
-      krows[p - lo] = key_cache + base + r * row;
-      vrows[p - lo] = value_cache + base + r * row;
-    }
-  }
+  ring_rows(a, table, h, lo, ctx, key_cache, value_cache, krows.data(), vrows.data());
   krows[len - 1] = fresh.data();
   vrows[len - 1] = fresh.data() + d;
   // Pass 1: scores.

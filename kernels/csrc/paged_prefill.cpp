@@ -86,18 +86,9 @@ void prefill_item(const Args& a, const Row& row, const Item& it, const T* query,
   const int64_t len = last - klo + 1;
   s.krows.resize(static_cast<size_t>(len));
   s.vrows.resize(static_cast<size_t>(len));
-  const int64_t slot = a.kv_heads * d;  // elements per cache slot
-  const int32_t* table = tables + row.seq * a.table_width;
-  for (int64_t p = klo; p < std::min(ctx, last + 1);) {  // cached positions, block by block
-    const int64_t logical = p / a.block_size;
-    const int64_t column = a.ring > 0 ? logical % a.ring : logical;
-    const int64_t base = static_cast<int64_t>(table[column]) * a.block_stride + h * d;
-    const int64_t end = std::min(std::min(ctx, last + 1), (logical + 1) * a.block_size);
-    for (int64_t r = p - logical * a.block_size; p < end; ++p, ++r) {
-      s.krows[p - klo] = key_cache + base + r * slot;
-      s.vrows[p - klo] = value_cache + base + r * slot;
-    }
-  }
+  // the cached positions, then the chunk's own
+  ring_rows(a, tables + row.seq * a.table_width, h, klo, std::min(ctx, last + 1), key_cache,
+            value_cache, s.krows.data(), s.vrows.data());
   const int64_t f0 = std::max(klo, ctx);  // the chunk's own positions [f0, last]
   if constexpr (std::is_same_v<T, C>) {
     for (int64_t p = f0; p <= last; ++p) {
