@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
+#include <vector>
 
 #ifndef RINGSERVE_NS
 #define RINGSERVE_NS ringserve
@@ -287,6 +289,37 @@ inline void ring_rows(const Args& a, const int32_t* table, int64_t h, int64_t lo
       vrows[p - lo] = value_cache + base + r * slot;
     }
   }
+}
+
+// Attention of one query token's group of g heads (rows q[j * d ..], scaled by a.scale)
+// over n K/V rows kr / vr: scores, softmax with the soft cap and head h's sinks, the
+// weighted sum of V, written to out[j * d ..]. scores, qbuf and acc: the caller's scratch.
+template <typename T, typename C>
+inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
+                       const C* const* vr, int64_t n, T* out, std::vector<float>& scores,
+                       std::vector<float>& qbuf, std::vector<float>& acc) {
+  const int64_t d = a.d, g = a.group;
+  scores.resize(static_cast<size_t>(g * n));
+  qbuf.resize(static_cast<size_t>(g * d));
+  acc.assign(static_cast<size_t>(g * d), 0.f);
+  for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
+  bool tiled = false;
+#if defined(__AVX512F__)
+  tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) score_row(qbuf.data(), kr[c], g, d, &scores[c], n);
+  for (int64_t j = 0; j < g; ++j)
+    softmax(&scores[j * n], n, a.softcap,
+            a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
+  // the weighted sum of V, each row read once for all of the group's heads
+  tiled = false;
+#if defined(__AVX512F__)
+  tiled = values_fast(g, scores.data(), vr, n, d, acc.data());
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) value_row(acc.data(), &scores[c], n, vr[c], g, d);
+  for (int64_t i = 0; i < g * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 // The checks both ops make of their common arguments, and their Args; `op` names the op

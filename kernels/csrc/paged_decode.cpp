@@ -48,14 +48,6 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   const int64_t d = a.d, g = a.group;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
   const int64_t len = ctx - lo + 1;  // cached window + the fresh key
-  scores.resize(static_cast<size_t>(g * len));
-  qbuf.resize(static_cast<size_t>(g * d));
-  acc.assign(static_cast<size_t>(g * d), 0.f);
-  for (int64_t j = 0; j < g; ++j) {
-    const T* q = query + (token * a.kv_heads * g + h * g + j) * d;
-    for (int64_t i = 0; i < d; ++i) qbuf[j * d + i] = to_f(q[i]) * a.scale;
-  }
-  const int32_t* table = tables + s * a.table_width;
   // The fresh K and V rows in the cache's type.
   fresh.resize(static_cast<size_t>(2 * d));
   const T* fk = key + (token * a.kv_heads + h) * d;
@@ -68,30 +60,13 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
   // block); the last column is the fresh row.
   krows.resize(static_cast<size_t>(len));
   vrows.resize(static_cast<size_t>(len));
-  ring_rows(a, table, h, lo, ctx, key_cache, value_cache, krows.data(), vrows.data());
+  ring_rows(a, tables + s * a.table_width, h, lo, ctx, key_cache, value_cache, krows.data(),
+            vrows.data());
   krows[len - 1] = fresh.data();
   vrows[len - 1] = fresh.data() + d;
-  // Pass 1: scores.
-  bool tiled = false;
-#if defined(__AVX512F__)
-  tiled = scores_fast(g, qbuf.data(), krows.data(), vrows.data(), len, d, scores.data());
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < len; ++c) score_row(qbuf.data(), krows[c], g, d, &scores[c], len);
-  for (int64_t j = 0; j < g; ++j)
-    softmax(&scores[j * len], len, a.softcap,
-            a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
-  // Pass 2: the weighted sum of V, each row read once for all of the group's heads.
-  tiled = false;
-#if defined(__AVX512F__)
-  tiled = values_fast(g, scores.data(), vrows.data(), len, d, acc.data());
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < len; ++c) value_row(acc.data(), &scores[c], len, vrows[c], g, d);
-  for (int64_t j = 0; j < g; ++j) {
-    T* o = out + (token * a.kv_heads * g + h * g + j) * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[j * d + i]);
-  }
+  const int64_t first = (token * a.kv_heads * g + h * g) * d;  // the group's first head
+  attend_row(a, h, query + first, krows.data(), vrows.data(), len, out + first, scores, qbuf,
+             acc);
 }
 
 template <typename T, typename C>

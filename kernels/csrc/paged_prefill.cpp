@@ -111,40 +111,14 @@ void prefill_item(const Args& a, const Row& row, const Item& it, const T* query,
       s.vrows[p - klo] = dst + d;
     }
   }
-  s.qbuf.resize(static_cast<size_t>(g * d));
-  s.acc.resize(static_cast<size_t>(g * d));
   for (int64_t pos = first; pos <= last; ++pos) {
     const int64_t token = row.start + pos - ctx;
     // This token's keys: positions [lo, pos], columns lo - klo .. pos - klo of the tile.
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
     const int64_t n = pos - lo + 1;
-    const C* const* kr = s.krows.data() + (lo - klo);
-    const C* const* vr = s.vrows.data() + (lo - klo);
-    s.scores.resize(static_cast<size_t>(g * n));
-    std::fill(s.acc.begin(), s.acc.end(), 0.f);
-    for (int64_t j = 0; j < g; ++j) {
-      const T* q = query + (token * a.kv_heads * g + h * g + j) * d;
-      for (int64_t i = 0; i < d; ++i) s.qbuf[j * d + i] = to_f(q[i]) * a.scale;
-    }
-    bool tiled = false;
-#if defined(__AVX512F__)
-    tiled = scores_fast(g, s.qbuf.data(), kr, vr, n, d, s.scores.data());
-#endif
-    if (!tiled)
-      for (int64_t c = 0; c < n; ++c) score_row(s.qbuf.data(), kr[c], g, d, &s.scores[c], n);
-    for (int64_t j = 0; j < g; ++j)
-      softmax(&s.scores[j * n], n, a.softcap,
-              a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
-    tiled = false;
-#if defined(__AVX512F__)
-    tiled = values_fast(g, s.scores.data(), vr, n, d, s.acc.data());
-#endif
-    if (!tiled)
-      for (int64_t c = 0; c < n; ++c) value_row(s.acc.data(), &s.scores[c], n, vr[c], g, d);
-    for (int64_t j = 0; j < g; ++j) {
-      T* o = out + (token * a.kv_heads * g + h * g + j) * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(s.acc[j * d + i]);
-    }
+    const int64_t at = (token * a.kv_heads * g + h * g) * d;  // the group's first head
+    attend_row(a, h, query + at, s.krows.data() + (lo - klo), s.vrows.data() + (lo - klo), n,
+               out + at, s.scores, s.qbuf, s.acc);
   }
 }
 
