@@ -197,8 +197,11 @@ def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
 # ``packed_rows="auto"`` (the served default): the row count from which the copies serve,
 # and the share of the available memory they may take. Served on 2 Zen 4 cores, gemma-3-270m,
 # conc 32, two interleaved rounds: 311.3 / 402.3 tok/s without, 376.9 / 482.0 with (+536
-# MiB); conc 8 (8-row steps, which keep the quantized weights) within noise.
-AUTO_PACKED_ROWS = 16
+# MiB). From 8 rows: a decode step with the copies against the quantized weights, the two
+# interleaved in one engine (`benchmarks/packed_rows_bench.py`), 4 rows 24.4 / 20.0 ms,
+# 6 rows 23.8 / 23.1, 8 rows 26.8 / 30.1, 12 rows 31.1 / 38.9, 16 rows 35.0 / 48.4: below 8
+# rows the quantized weights' smaller read wins, from 8 the copies' cheaper multiply.
+AUTO_PACKED_ROWS = 8
 AUTO_MEMORY_SHARE = 0.25
 
 
