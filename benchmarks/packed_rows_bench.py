@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ringserve.engine import LLM, SamplingParams  # noqa: E402
-from ringserve.engine.models.quant_linear import QuantLinear  # noqa: E402
+from ringserve.engine import LLM, SamplingParams
+from ringserve.engine.models.quant_linear import QuantLinear
 
 
 def steps(batch: int, model: str, rounds: int, per_round: int) -> tuple[list[float], list[float]]:

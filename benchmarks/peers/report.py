@@ -49,7 +49,10 @@ def markdown(data: dict[str, Any]) -> str:
         + ", ignore_eos, streaming; prompts per concurrency "
         f"{' / '.join(str(p) for p in meta['prompts'])}, each after a warm-up of as many "
         "short requests as the concurrency (16 prompt, 8 output tokens). Output tok/s = "
-        "generated tokens / wall time of the load; TPOT and TTFT are medians.",
+        "generated tokens / wall time of the load; TPOT and TTFT are medians."
+        + (f" Every number is the median of {meta['rounds']} rounds; each round starts, loads "
+           "and stops every server in turn, in alternating order (per-round output tok/s "
+           "below)." if meta.get("rounds", 1) > 1 else ""),
         "",
         "| server | " + " | ".join(heads) + f" | vs vLLM ({slash}) | read limit tok/s ({slash}) "
         f"| achieved / limit ({slash}) | others' CPU ({slash}) |",
@@ -90,6 +93,13 @@ def markdown(data: dict[str, Any]) -> str:
                    if row["weight_bytes"] else "—")
         command = f"`{row['command']}`" if row["command"] else "—"
         lines.append(f"| {row['name']} | {weights} | {load} | {command} |")
+    if meta.get("rounds", 1) > 1:
+        lines += ["", f"Output tok/s of each round ({slash}):", ""]
+        for row in rows:
+            per = [" / ".join(f"{x['output_tok_s']:.1f}" for x in m.get("rounds", []))
+                   for m in row["measurements"]]
+            lines.append(f"- {row['name']}: " + "; ".join(
+                f"conc {c}: {p}" for c, p in zip(concs, per, strict=False)))
     failures = [r for r in rows if r["error"]]
     if failures:
         lines += ["", "Failures:", ""]

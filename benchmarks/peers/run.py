@@ -14,6 +14,7 @@ import dataclasses
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -64,6 +65,10 @@ def parse_args() -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--retries", type=int, default=2,
                    help="loads measured again when others used the CPUs during them")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times, rows in alternating order each round, "
+                        "and report each load's median over the rounds (a shared machine's "
+                        "noise moves one load by 10-20%%)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of the load (default: greedy; OpenAI's "
                         "default is 1)")
@@ -77,6 +82,8 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.only.split(",")) - set(KINDS)
     if unknown:
         p.error(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KINDS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if len(args.prompts) != len(args.concurrency):
         p.error("--prompts needs one number per --concurrency level")
     load.TEMPERATURE = args.temperature
@@ -148,6 +155,32 @@ def run_row(row: servers.Row, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+MEDIAN_FIELDS = ("output_tok_s", "tpot_ms", "ttft_p50_ms", "duration_s", "others_cpu")
+
+
+def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's results over several rounds as one: each load's median of every timing,
+    the fewest successes, the first error; each round's output tok/s kept in ``rounds``."""
+    out = dict(results[0])
+    out["error"] = next((r["error"] for r in results if r["error"]), "")
+    done = [r for r in results if r["measurements"]]
+    if not done:
+        return out
+    out.update({k: done[0][k] for k in ("command", "weights", "decode_bytes") if k in done[0]})
+    merged = []
+    for i in range(min(len(r["measurements"]) for r in done)):
+        ms = [r["measurements"][i] for r in done]
+        m = dict(ms[0])
+        m.update({k: statistics.median(x[k] for x in ms) for k in MEDIAN_FIELDS})
+        m["ok"] = min(x["ok"] for x in ms)
+        m["error"] = next((x["error"] for x in ms if x["error"]), "")
+        m["rounds"] = [{k: x[k] for k in ("output_tok_s", "tpot_ms", "ttft_p50_ms")}
+                       for x in ms]
+        merged.append(m)
+    out["measurements"] = merged
+    return out
+
+
 def smoke(row: servers.Row) -> str:
     """Start the row and ask for one greedy completion; the text, or the error."""
     import httpx
@@ -199,15 +232,21 @@ def main() -> None:
     bandwidth = read_limit.read_bandwidth()
     log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {params:,} parameters")
     context = load.INPUT_LEN + load.OUTPUT_LEN // 2
+    rounds: dict[str, list[dict[str, Any]]] = {row.name: [] for row in rows}
+    for rnd in range(args.rounds):
+        if args.rounds > 1:
+            log(f"round {rnd + 1} of {args.rounds}")
+        for row in (rows if rnd % 2 == 0 else rows[::-1]):
+            if row.kind in errors:
+                rounds[row.name].append({
+                    "name": row.name, "kind": row.kind, "measurements": [], "command": "",
+                    "error": errors[row.kind], "weights": row.weights,
+                    "load_average": os.getloadavg()})
+            else:
+                rounds[row.name].append(run_row(row, args))
     results = []
     for row in rows:
-        result: dict[str, Any]
-        if row.kind in errors:
-            result = {"name": row.name, "kind": row.kind, "measurements": [], "command": "",
-                      "error": errors[row.kind], "weights": row.weights,
-                      "load_average": os.getloadavg()}
-        else:
-            result = run_row(row, args)
+        result = merge_rounds(rounds[row.name])
         result["weight_bytes"], result["ceilings"] = 0, []
         fmt = result["weights"]
         if result.get("decode_bytes") or fmt in read_limit.BYTES or (
@@ -229,7 +268,7 @@ def main() -> None:
         "input_len": load.INPUT_LEN, "output_len": load.OUTPUT_LEN, "context_tokens": context,
         "temperature": load.TEMPERATURE,
         "invocation": shlex.join(["python", *sys.argv]), "commit": commit,
-        "quiet_wait": args.quiet_wait,
+        "quiet_wait": args.quiet_wait, "rounds": args.rounds,
         "hf_folder": str(folder)}, "rows": results}
     report.write(data, args.out)
     log(f"wrote {args.out}.md, .png and .json")
