@@ -45,8 +45,11 @@ class Offline:
     def __init__(self, model: str, max_len: int, max_seqs: int) -> None:
         from ringserve.engine import LLM
 
+        # NOTE: packed_rows="auto" and 512-token steps, as `ringserve serve` defaults to on
+        # the CPU (the offline LLM's defaults are off and 2048): the same step either side.
         self.engine = LLM(model=model, kv_cache_memory="2GiB", max_model_len=max_len,
-                          max_num_seqs=max_seqs).engine
+                          max_num_seqs=max_seqs, packed_rows="auto",
+                          max_num_batched_tokens=512).engine
         self.ids = itertools.count()
 
     def run(self, concurrency: int, input_len: int, output_len: int) -> tuple[float, float]:
