@@ -160,9 +160,19 @@ class BlockPool:
     def lookup(self, key: Hashable) -> int | None:
         """The block cached under ``key``, or None. Marks it recently used."""
         block = self._cached.get(key)
-        if block is not None and block in self._evictable:
-            self._evictable.move_to_end(block)
+        if block is not None:
+            self.touch(block)
         return block
+
+    def peek(self, key: Hashable) -> int | None:
+        """The block cached under ``key``, or None, leaving its place in the LRU alone (a
+        search that may not use what it finds)."""
+        return self._cached.get(key)
+
+    def touch(self, block: int) -> None:
+        """Mark an evictable block recently used: the last to be evicted, for now."""
+        if block in self._evictable:
+            self._evictable.move_to_end(block)
 
     def is_used(self, block: int) -> bool:
         return bool(self._ref[block])

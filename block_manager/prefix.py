@@ -126,10 +126,21 @@ class PrefixIndex:
 
     def find(self, prompt_ids: list[int], prompt_len: int,
              chain: list[bytes] | None = None) -> tuple[list[bytes], Hit]:
-        """The prompt's block names (a copy of ``chain`` when given) and its usable hit."""
+        """The prompt's block names (a copy of ``chain`` when given) and its usable hit.
+
+        Only the hit's own blocks are marked recently used, a full layer's deepest first (so
+        the LRU takes a chain from its tail, and a shorter prefix outlives a longer one).
+        The search also finds blocks the hit cannot use: a ring's blocks older than its
+        window at the hit's end, a full layer's blocks past where another group stops.
+        Marking those too (as every lookup did) kept a waiting prompt's dead blocks as
+        fresh as its live ones, and the LRU took other sessions' live blocks first."""
         chain = self.chain(prompt_ids) if chain is None else list(chain)
-        return chain, find_hit(self.spec, chain, prompt_len,
-                               lambda g, name: self.pool.lookup((g, name)))
+        hit = find_hit(self.spec, chain, prompt_len, lambda g, name: self.pool.peek((g, name)))
+        for row in hit.rows:
+            for block in reversed(row):
+                if block is not None:
+                    self.pool.touch(block)
+        return chain, hit
 
     def next_is_promised(self, prompt_ids: list[int], chain: list[bytes] | None = None) -> bool:
         """True if an admitted sequence is computing the block after the prompt's hit."""

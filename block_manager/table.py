@@ -131,7 +131,12 @@ class BlockTable:
         self.num_tokens = num_tokens
 
     def free(self) -> list[int]:
-        """Let go of every block; returns those whose contents are gone for good."""
-        gone = [block for block in self.blocks if self.pool.free(block)]
+        """Let go of every block; returns those whose contents are gone for good.
+
+        With prefix caching a full-attention row goes back deepest block first, so the
+        pool's LRU evicts its tail before its head: what is left stays a usable prefix."""
+        tail_first = self.keep_steps and self.ring_blocks is None
+        gone = [block for block in (self.blocks[::-1] if tail_first else self.blocks)
+                if self.pool.free(block)]
         self.blocks.clear()
         return gone
