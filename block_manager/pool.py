@@ -58,11 +58,6 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
-    def num_evictable(self) -> int:
-        """Blocks nobody holds that still carry a key (the LRU)."""
-        return len(self._evictable)
-
-    @property
     def num_cached(self) -> int:
         """Blocks that carry a key (in use or evictable)."""
         return len(self._cached)
@@ -106,13 +101,8 @@ class BlockPool:
             del self._evictable[block]
         self._set_ref(block, self._ref[block] + 1)
 
-    def free(self, block: int, *, expired: bool = False) -> bool:
+    def free(self, block: int) -> bool:
         """One holder lets go of a block.
-
-        Args:
-            expired: the holder is a ring that moved past the block (its positions are
-                older than the window): a cached one waits first in line for eviction,
-                since only a prompt that ends within a window of it can use it again.
 
         Returns:
             True when the block's contents are gone for good (it went back to the truly
@@ -128,16 +118,13 @@ class BlockPool:
             return False
         if self._key[block] is not None:
             self._evictable[block] = None
-            if expired:
-                self._evictable.move_to_end(block, last=False)
             return False
         self._free.append(block)
         return True
 
     def park(self, block: int) -> None:
         """Let go of a block whose contents the current step is still writing: nobody holds
-        it, yet it is neither free nor evictable until `unpark` (after `register`). Only a
-        ring parks a block, one its own step moves past: as `free` with ``expired``."""
+        it, yet it is neither free nor evictable until `unpark` (after `register`)."""
         if not 0 <= block < self.num_blocks or self._ref[block] != 1:
             raise BlockPoolError(f"block {block} is not held by one sequence alone")
         self._set_ref(block, 0)
@@ -148,12 +135,10 @@ class BlockPool:
         return len(self._parked)
 
     def unpark(self) -> None:
-        """The step is over: parked blocks become evictable (with a key; first in line, as
-        expired ones) or free."""
+        """The step is over: parked blocks become evictable (with a key) or free."""
         for block in self._parked:
             if self._key[block] is not None:
                 self._evictable[block] = None
-                self._evictable.move_to_end(block, last=False)
             else:
                 self._free.append(block)
         self._parked.clear()

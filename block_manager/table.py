@@ -81,7 +81,7 @@ class BlockTable:
                 if self.pool.keeps(old):
                     # NOTE: let go first: in a full pool the fresh block may be the old one
                     # itself, evicted from the cache (its contents have expired for us).
-                    self.pool.free(old, expired=True)
+                    self.pool.free(old)
                     self.blocks[entry] = self.pool.allocate(ring=True)
                     self.swaps += 1
                 elif (k - ring + 1) * b > start and spare > 0:  # written by this step
