@@ -16,7 +16,7 @@ class BlockPool:
 
     Each block has a reference count: the sequences whose tables hold it. With prefix
     caching a full block may also carry a key (layer group, chained hash of its tokens) under
-    which `lookup` finds it; such a block keeps its key when its last holder lets go and
+    which `peek` finds it; such a block keeps its key when its last holder lets go and
     waits, still findable, in an LRU of evictable blocks. A block is taken from the truly
     free ones first (oldest freed first, which keeps allocation order deterministic and easy
     to narrate in tests), else the least recently used evictable one loses its key and is
@@ -94,7 +94,7 @@ class BlockPool:
         return block
 
     def pin(self, block: int) -> None:
-        """One more holder of a cached block (found by `lookup`), or of a block in use."""
+        """One more holder of a cached block (found by `peek`), or of a block in use."""
         if self._ref[block] == 0:
             if block not in self._evictable:
                 raise BlockPoolError(f"block {block} is free and holds nothing to share")
@@ -156,13 +156,6 @@ class BlockPool:
         if self.events is not None:
             self.events.append(("stored", key, meta))
         return True
-
-    def lookup(self, key: Hashable) -> int | None:
-        """The block cached under ``key``, or None. Marks it recently used."""
-        block = self._cached.get(key)
-        if block is not None:
-            self.touch(block)
-        return block
 
     def peek(self, key: Hashable) -> int | None:
         """The block cached under ``key``, or None, leaving its place in the LRU alone (a

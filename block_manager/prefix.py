@@ -132,7 +132,7 @@ class PrefixIndex:
         the LRU takes a chain from its tail, and a shorter prefix outlives a longer one).
         The search also finds blocks the hit cannot use: a ring's blocks older than its
         window at the hit's end, a full layer's blocks past where another group stops.
-        Marking those too (as every lookup did) kept a waiting prompt's dead blocks as
+        Marking those too (as every look-up did) kept a waiting prompt's dead blocks as
         fresh as its live ones, and the LRU took other sessions' live blocks first."""
         chain = self.chain(prompt_ids) if chain is None else list(chain)
         hit = find_hit(self.spec, chain, prompt_len, lambda g, name: self.pool.peek((g, name)))
