@@ -45,6 +45,8 @@ def main() -> None:
                     help="as `ringserve serve --packed-head-rows`")
     ap.add_argument("--packed-rows", type=int, default=None,
                     help="as `ringserve serve --packed-rows`")
+    ap.add_argument("--int16-activations", default="auto",
+                    help="as `ringserve serve --int16-activations`")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
@@ -54,7 +56,8 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
-              packed_head_rows=args.packed_head_rows, packed_rows=args.packed_rows)
+              packed_head_rows=args.packed_head_rows, packed_rows=args.packed_rows,
+              int16_activations=args.int16_activations)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=total - args.context, temperature=0.0, ignore_eos=True)
