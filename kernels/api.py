@@ -136,11 +136,20 @@ def write_kv(
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]; mutated.
         slot_mapping: [num_tokens] int32/int64 flat slot `block * block_size + offset`
             (for a ring: `table[(p // b) % R] * b + p % b`), or -1 to skip a token.
-        backend: "triton", "cpu", "torch", or None (Triton on CUDA, torch elsewhere: the
-            compiled CPU kernels are attention only, so "cpu" writes with torch).
+        backend: "triton", "cpu", "torch", or None (Triton on CUDA; on the CPU the
+            compiled write where it is built, else torch).
     """
     check_write_args(key, value, key_cache, value_cache, slot_mapping)
-    if pick_backend(backend, key) in ("torch", "cpu"):  # the CPU kernel is attention only
+    chosen = pick_backend(backend, key)
+    if chosen == "cpu":
+        from ringserve.kernels.cpu_attention import supports, write_kv_cpu
+
+        if not supports(key):
+            raise ValueError("backend='cpu' needs CPU float32/bfloat16 tensors and the "
+                             "compiled kernels (see kernels/cpu_attention.py)")
+        write_kv_cpu(key, value, key_cache, value_cache, slot_mapping)
+        return
+    if chosen == "torch":
         write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
         return
     _require_triton_device(key)

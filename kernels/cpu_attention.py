@@ -21,7 +21,7 @@ import torch
 
 from ringserve.kernels import cpu_isa
 from ringserve.kernels.cpu_build import available, ops
-from ringserve.kernels.reference import Batch, prefill_row
+from ringserve.kernels.reference import Batch, prefill_row, write_kv_reference
 from ringserve.kernels.torch_plan import step_plan
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -90,3 +90,21 @@ def paged_attention_cpu(
         out.copy_(result)
         return out
     return result
+
+
+def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`kernels.write_kv` on the CPU (`csrc/write_kv.cpp`): the rows the torch reference
+    writes, in one call instead of two index_copy_ and the views around them. A cache
+    whose token rows are not contiguous (not a view of engine/kv_cache.py's slab) takes
+    the reference."""
+    if not (_dense_rows(key_cache) and _dense_rows(value_cache)
+            and key_cache.dtype == value_cache.dtype):
+        write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+        return
+    ops().write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _dense_rows(cache: torch.Tensor) -> bool:
+    heads, dim = cache.shape[2], cache.shape[3]
+    return cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == heads * dim

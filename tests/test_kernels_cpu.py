@@ -188,3 +188,55 @@ def test_float32_queries_over_a_bf16_cache(cpu_variant: str, backend: str, seed:
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
     for a, b in zip(args, before, strict=True):  # inputs untouched
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _slab_caches(blocks: int, b: int, heads: int, dim: int, dtype: torch.dtype,
+                 spare_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value caches as engine/kv_cache.py lays them out: views of one slab row per
+    block, ``spare_rows`` token rows of other layers between one block and the next."""
+    row = heads * dim
+    slab = torch.full((blocks, (2 * b + spare_rows) * row), float("nan"), dtype=dtype)
+    key = slab[:, : b * row].view(blocks, b, heads, dim)
+    value = slab[:, b * row: 2 * b * row].view(blocks, b, heads, dim)
+    return key, value
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("slots_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("spare_rows", [0, 3])
+def test_compiled_write_puts_each_row_in_its_slot(cpu_variant: str, dtype: torch.dtype,
+                                                  cache_dtype: torch.dtype,
+                                                  slots_dtype: torch.dtype,
+                                                  spare_rows: int) -> None:
+    """The compiled K/V write against a token-by-token oracle (each row converted by torch's
+    `.to`, stored at block slot // b, row slot % b): -1 slots skipped, nothing else of the
+    slab touched, keys read through a view of a fused projection."""
+    gen = torch.Generator().manual_seed(7)
+    blocks, b, heads, dim, tokens = 9, 4, 2, 16, 11
+    key_cache, value_cache = _slab_caches(blocks, b, heads, dim, cache_dtype, spare_rows)
+    fused = torch.randn(tokens, 3 * heads * dim, generator=gen).to(dtype)
+    key = fused[:, heads * dim: 2 * heads * dim].view(tokens, heads, dim)  # strided rows
+    value = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(blocks * b, generator=gen)[:tokens]
+    slots[[2, 7]] = -1
+    slots = slots.to(slots_dtype)
+    expect_k, expect_v = key_cache.clone(), value_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expect_k[s // b, s % b] = key[t].to(cache_dtype)
+            expect_v[s // b, s % b] = value[t].to(cache_dtype)
+    slab = key_cache._base if key_cache._base is not None else key_cache
+    spare_before = slab[:, 2 * b * heads * dim:].clone()
+    kernels.write_kv(key, value, key_cache, value_cache, slots, backend="cpu")
+    assert torch.equal(key_cache.nan_to_num(7.0), expect_k.nan_to_num(7.0))
+    assert torch.equal(value_cache.nan_to_num(7.0), expect_v.nan_to_num(7.0))
+    assert slab[:, 2 * b * heads * dim:].isnan().all() and spare_before.isnan().all()
+
+
+def test_compiled_write_refuses_a_slot_past_the_cache(cpu_variant: str) -> None:
+    key_cache, value_cache = _slab_caches(2, 4, 1, 8, torch.float32, 0)
+    rows = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 is past the cache's 8 slots"):
+        kernels.write_kv(rows, rows, key_cache, value_cache, torch.tensor([8]), backend="cpu")
