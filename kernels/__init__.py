@@ -1,6 +1,7 @@
 """Paged ring attention and KV cache writes: Triton kernels with a torch reference each.
 
-`paged_attention` and `write_kv` dispatch to Triton on CUDA tensors and to the torch
+`paged_attention` and `write_kv` dispatch to Triton on CUDA tensors, to the compiled CPU
+kernels (`kernels.cpu_attention`) on CPU tensors where they are built, and to the torch
 reference (`kernels.reference`) elsewhere; see docs/design.md §5 for the contract.
 """
 
