@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from torch import nn
 
 from ringserve.engine.forward_batch import ForwardBatch
 from ringserve.engine.models.config import ModelConfig
+from ringserve.engine.models.fast_decode import FastDecode
 from ringserve.engine.models.layers import ACTIVATIONS, MLP, Attention, Rotary, make_norm
 from ringserve.engine.models.moe import Gemma4MoE, MoE
 
@@ -172,6 +174,16 @@ class CausalLM(nn.Module):
         self._deferred = sorted({cfg.kv_source_of(i) for i in range(cfg.num_layers)
                                  if cfg.kv_source_of(i) != i})
         self._kv_shared = bool(self._deferred)
+        self._fast: tuple[tuple[Any, ...], FastDecode | None] | None = None
+
+
+    def _fast_decode(self, dtype: torch.dtype) -> FastDecode | None:
+        """The layers' decode path without their modules (`fast_decode`), built for the
+        model as it is now: rebuilt when a linear gained or lost a copy since."""
+        sign = FastDecode.signature(self)
+        if self._fast is None or self._fast[0] != (dtype, sign):
+            self._fast = ((dtype, sign), FastDecode.build(self, dtype))
+        return self._fast[1]
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head where the checkpoint ties them."""
@@ -190,6 +202,9 @@ class CausalLM(nn.Module):
                      if self.config.per_layer_input else None)
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = (
             {} if self._kv_shared else None)
+        fast = self._fast_decode(x.dtype)
+        if fast is not None and fast.takes(x, batch, kv_caches, self._layer_rope):
+            return self.model.norm(fast.run(x, tables, self._layer_rope, batch, kv_caches))  # type: ignore[no-any-return]
         for i, layer in enumerate(self.model.layers):
             rope = self._layer_rope[i]
             x = layer(x, None if rope is None else tables[rope], batch, kv_caches[i], shared,

@@ -1,0 +1,234 @@
+"""A decode step's layers without their modules: the same compiled ops, called directly.
+
+A decode step on the CPU spends a third of its time in Python at one row (docs/benchmarks.md,
+"Where the served step loses"): per layer ~14 module calls and ~30 wrappers that check their
+arguments and choose a path (which kernel a linear takes, whether a norm is compiled, the
+attention's plan) before each compiled op. Those choices are the same for every layer of
+every decode step of one batch size, so `FastDecode` makes them once per layer (the linears'
+path per row count, the norms' scales, the heads' shapes) and once per step (the attention
+plan and int32 tables of each layer group, the rotary tables' flat views), and runs the
+layer as a flat sequence of op calls.
+
+It computes exactly what the modules compute (the same ops on the same tensors in the same
+order, so the same bits; `tests/test_fast_decode.py` compares the two), and takes only
+what it was written for: a bf16 model on the CPU whose layers are "sandwich" (Gemma 2 and
+3: four RMSNorms) with their own K/V, rotary embeddings and fused q/k/v and gate/up
+projections, in steps where every row is one decode token. Anything else runs the
+modules. ``RINGSERVE_FAST_DECODE=0`` turns it off (to compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringserve.engine.forward_batch import ForwardBatch
+from ringserve.engine.models.layers import MLP, Attention, RMSNorm
+from ringserve.engine.models.quant_linear import TILE_ROWS, QuantLinear
+from ringserve.kernels import cpu_act, cpu_build, cpu_norm, cpu_quant
+from ringserve.kernels.torch_plan import step_plan
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def enabled() -> bool:
+    return os.environ.get("RINGSERVE_FAST_DECODE", "1") != "0"
+
+
+def _dense_rows(cache: torch.Tensor) -> bool:
+    heads, dim = cache.shape[2], cache.shape[3]
+    return cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == heads * dim
+
+
+def _linear(module: nn.Module, ops: Any) -> Linear | None:
+    """``module``'s forward for bf16 rows as `QuantLinear.forward` runs it, its choices made
+    once; a module of another kind keeps its own forward (no module call around it)."""
+    if not isinstance(module, QuantLinear):
+        forward: Linear = module.forward
+        return forward
+    if module.packed is not None or not module.kernel:
+        return None  # oneDNN's packed copy, or no compiled path: the module decides
+    qw, bias, n = module.qw, module.bias, module.out_features
+    tiles = module.tiles
+    threshold = module.packed_rows if tiles is not None else None
+    if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
+        def few(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = ops.quant_linear(x, qw.qweight, qw.scales, qw.mins, qw.bits,
+                                                 qw.group, bias, TILE_ROWS)
+            return out
+    else:
+        def few(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                   qw.bits, qw.group, bias,
+                                                   min(TILE_ROWS, 8))
+            return out
+    if threshold is None:
+        return few
+    assert tiles is not None
+
+    def either(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= threshold:
+            out: torch.Tensor = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n, bias)
+            return out
+        return few(x)
+    return either
+
+
+def _act_mul(mlp: MLP) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``act(gate) * up`` as `MLP.forward` computes it for bf16 CPU rows: the compiled tanh
+    GELU pass where `cpu_act.gelu_tanh_mul` takes the shape, else torch's two ops."""
+    half = mlp.gate_up_proj.out_features // 2
+    op = cpu_act._op() if mlp.gelu_tanh and half % cpu_act._VECTOR == 0 else None
+    if op is not None:
+        compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = op
+        return compiled
+    act = mlp.act
+
+    def torch_ops(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = act(gate) * up
+        return out
+    return torch_ops
+
+
+@dataclass
+class _Layer:
+    attn: Attention
+    norms: tuple[RMSNorm, ...]  # input, post-attention, pre-feedforward, post-feedforward
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scales: tuple[torch.Tensor, ...] = ()
+    versions: tuple[int, ...] = ()
+
+    def norm_scales(self) -> tuple[torch.Tensor, ...]:
+        """The norms' effective weights (`RMSNorm.scale`), fetched again if one changed."""
+        mods = [*self.norms, *(n for n in (getattr(self.attn, "q_norm", None),
+                                          getattr(self.attn, "k_norm", None)) if n is not None)]
+        versions = tuple(m.weight._version for m in mods)
+        if versions != self.versions:
+            self.scales = tuple(m.scale() for m in mods)
+            self.versions = versions
+        return self.scales
+
+
+class FastDecode:
+    """The decode path of one model's layers (None from `build` where it does not apply)."""
+
+    def __init__(self, layers: list[_Layer], ops: Any) -> None:
+        self.layers = layers
+        self.ops = ops
+
+    @staticmethod
+    def signature(model: Any) -> tuple[Any, ...]:
+        """What `build` reads that loading may still change: each layer's projection
+        modules and their copies (a forward may run before `--packed-rows` adds them)."""
+        out: list[Any] = []
+        for layer in model.model.layers:
+            for parent in (layer.self_attn._modules, layer.mlp._modules):
+                for m in parent.values():
+                    if isinstance(m, QuantLinear):
+                        out.append((id(m), m.packed_rows, m.tiles is not None,
+                                    m.packed is not None))
+                    elif m is not None:
+                        out.append(id(m))
+        return tuple(out)
+
+    @classmethod
+    def build(cls, model: Any, dtype: torch.dtype) -> FastDecode | None:
+        if dtype != torch.bfloat16 or not cpu_build.available():
+            return None
+        probe = torch.empty(1, 64, dtype=torch.bfloat16)
+        if not cpu_norm.supports(probe):
+            return None
+        ops = cpu_build.ops()
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (layer.placement != "sandwich" or layer.moe is not None
+                    or layer.per_layer_input or layer.layer_scalar is not None
+                    or not isinstance(attn, Attention) or not isinstance(mlp, MLP)):
+                return None
+            if (attn.kv_mode != "own" or attn.defer_write or not attn.fused
+                    or attn.qk_norm_full or attn.v_norm or attn.interleaved
+                    or attn.sinks is not None or not mlp.fused):
+                return None
+            norms = tuple(getattr(layer, name) for name in (
+                "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm"))
+            heads = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+            if not all(isinstance(n, RMSNorm) and not n.float32_kernel for n in norms) or (
+                    attn.qk_norm and not all(isinstance(n, RMSNorm) for n in heads)):
+                return None
+            linears = [_linear(m, ops) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj)]
+            if any(f is None for f in linears):
+                return None
+            qkv, o, gate_up, down = (f for f in linears if f is not None)
+            layers.append(_Layer(attn, norms, qkv, o, gate_up, down, _act_mul(mlp)))
+        return cls(layers, ops)
+
+    def takes(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[Any],
+              rope_of_layer: list[int | None]) -> bool:
+        """Whether this step is one it serves: bf16 rows on the CPU, every row one decode
+        token after a cached context, no early writes, every layer with rotary tables."""
+        if (not enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+                or batch.early_writes is not None or any(r is None for r in rope_of_layer)):
+            return False
+        tokens, seqs = x.shape[0], batch.context_lens.shape[0]
+        if tokens != seqs or tokens == 0 or int(batch.context_lens.min()) < 1:
+            return False
+        return all(_dense_rows(k) and _dense_rows(v) and k.dtype == torch.bfloat16
+                   and v.dtype == k.dtype for k, v in kv_caches)
+
+    def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
+            rope_of_layer: list[int | None], batch: ForwardBatch,
+            kv_caches: list[Any]) -> torch.Tensor:
+        ops, n = self.ops, x.shape[0]
+        rotary = [(c.reshape(-1, c.shape[-1]).contiguous(), s.reshape(-1, s.shape[-1])
+                   .contiguous()) for c, s in tables]
+        plans: dict[int, tuple[torch.Tensor, ...]] = {}
+        for i, layer in enumerate(self.layers):
+            attn = layer.attn
+            group = batch.groups[attn.group]
+            index = plans.get(attn.group)
+            if index is None:
+                plan = step_plan(group.block_tables, batch.query_start_loc, batch.context_lens,
+                                 block_size=kv_caches[i][0].shape[1], window=group.window,
+                                 ring=group.ring_blocks)
+                index = plans[attn.group] = (group.block_tables.to(torch.int32).contiguous(),
+                                             *plan.decode_index)
+            table, seq_ids, token_ids, ctxs = index
+            rope = rope_of_layer[i]
+            assert rope is not None
+            cos, sin = rotary[rope]
+            scales = layer.norm_scales()
+            s_in, s_post_attn, s_pre_ff, s_post_ff = scales[:4]
+            e_in, e_post_attn, e_pre_ff, e_post_ff = (m.eps for m in layer.norms)
+            h = ops.rms_norm(x, s_in, e_in)
+            q, k, v = torch.split(layer.qkv(h), attn.proj_sizes, dim=-1)
+            q_scale, k_scale = (scales[4], scales[5]) if attn.qk_norm else (None, None)
+            q_eps = attn.q_norm.eps if attn.qk_norm else 0.0
+            k_eps = attn.k_norm.eps if attn.qk_norm else 0.0
+            q = ops.norm_rope(q.view(n, attn.num_heads, attn.head_dim), q_scale, cos, sin, q_eps)
+            k = ops.norm_rope(k.view(n, attn.num_kv_heads, attn.head_dim), k_scale, cos, sin,
+                              k_eps)
+            v = v.view(n, attn.num_kv_heads, attn.head_dim)
+            key_cache, value_cache = kv_caches[i]
+            out = torch.empty_like(q)
+            ops.paged_decode(q, k, v.contiguous(), key_cache, value_cache, table, seq_ids,
+                             token_ids, ctxs, out, attn.scale, attn.window or 0,
+                             group.ring_blocks or 0, attn.softcap or 0.0, None)
+            ops.write_kv(k, v, key_cache, value_cache, group.slot_mapping)
+            a = layer.o(out.view(n, attn.num_heads * attn.head_dim))
+            x = x + ops.rms_norm(a, s_post_attn, e_post_attn)
+            gate, up = layer.gate_up(ops.rms_norm(x, s_pre_ff, e_pre_ff)).chunk(2, dim=-1)
+            d = layer.down(layer.act_mul(gate, up))
+            x = x + ops.rms_norm(d, s_post_ff, e_post_ff)
+        return x

@@ -1,0 +1,78 @@
+"""The decode step's layers without their modules (`engine.models.fast_decode`).
+
+The reference is the module path itself (``RINGSERVE_FAST_DECODE=0``): the fast path
+promises the same ops on the same tensors in the same order, so the same bits, which the
+modules' own tests compare with transformers. Greedy runs of several prompts of different
+lengths (prefill steps take the modules, decode steps the fast path) must give the same
+tokens and the same logprobs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from ringserve.engine import LLM, SamplingParams
+from ringserve.engine.models import fast_decode
+from ringserve.kernels import cpu_build, cpu_quant
+from tests.tiny_models import make_checkpoint, random_tokens
+
+PROMPTS = [random_tokens(n, seed=n) for n in (3, 11, 30, 17, 5)]
+
+
+def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
+         **kwargs: object) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and their logprobs of every prompt, and the decode steps the fast
+    path ran."""
+    monkeypatch.setenv("RINGSERVE_FAST_DECODE", "1" if fast else "0")
+    runs = []
+    real = fast_decode.FastDecode.run
+
+    def counted(self: fast_decode.FastDecode, *args: object) -> torch.Tensor:
+        runs.append(1)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fast_decode.FastDecode, "run", counted)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=96,
+              max_num_seqs=4, **kwargs)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[v for lp in o.outputs[0].logprobs for v in (lp.logprob, *(p for _, p in lp.top))]
+                for o in outs]
+    return tokens, logprobs, len(runs)
+
+
+# (the tiny models' MLP is 96 wide, which the compiled GELU pass does not take; 128 does)
+CASES = [("gemma3_text", "int8", None, None), ("gemma3_text", "int4", None, None),
+         ("gemma3_text", "none", None, None), ("gemma2", "int8", None, None),
+         ("gemma3_text", "int8", 2, None), ("gemma3_text", "int8", None, 128)]
+
+
+@pytest.mark.parametrize(("family", "quantization", "packed_rows", "mlp"), CASES)
+def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathlib.Path,
+                                               monkeypatch: pytest.MonkeyPatch, family: str,
+                                               quantization: str, packed_rows: int | None,
+                                               mlp: int | None) -> None:
+    if packed_rows is not None and not cpu_quant.has_tiles():
+        pytest.skip(f"the {cpu_variant} build keeps no bf16 tiles (they need AVX512-BF16)")
+    path = make_checkpoint(family, tmp_path,
+                           overrides=None if mlp is None else {"intermediate_size": mlp})
+    kwargs = {"quantization": quantization, "packed_rows": packed_rows}
+    fast_tokens, fast_logprobs, ran = _run(path, monkeypatch, True, **kwargs)
+    tokens, logprobs, off = _run(path, monkeypatch, False, **kwargs)
+    assert off == 0
+    assert fast_tokens == tokens
+    assert fast_logprobs == logprobs
+    assert (ran > 0) == cpu_build.available()  # the decode-only steps took the fast path
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo3"])
+def test_other_layouts_keep_their_modules(tmp_path: pathlib.Path,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          family: str) -> None:
+    path = make_checkpoint(family, tmp_path)
+    _, _, ran = _run(path, monkeypatch, True, quantization="int8")
+    assert ran == 0
