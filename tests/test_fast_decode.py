@@ -10,6 +10,7 @@ tokens and the same logprobs, bit for bit.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ PROMPTS = [random_tokens(n, seed=n) for n in (3, 11, 30, 17, 5)]
 
 
 def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
-         **kwargs: object) -> tuple[list[list[int]], list[list[float]], int]:
+         **kwargs: Any) -> tuple[list[list[int]], list[list[float]], int]:
     """Greedy tokens and their logprobs of every prompt, and the decode steps the fast
     path ran."""
     monkeypatch.setenv("RINGSERVE_FAST_DECODE", "1" if fast else "0")
@@ -35,8 +36,9 @@ def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
         return real(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fast_decode.FastDecode, "run", counted)
-    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=96,
-              max_num_seqs=4, **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("dtype", "bfloat16")
+    llm = LLM(str(path), kv_cache_memory="8MiB", max_model_len=96, max_num_seqs=4,
+              **kwargs)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -45,22 +47,31 @@ def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
     return tokens, logprobs, len(runs)
 
 
-# (the tiny models' MLP is 96 wide, which the compiled GELU pass does not take; 128 does)
-CASES = [("gemma3_text", "int8", None, None), ("gemma3_text", "int4", None, None),
-         ("gemma3_text", "none", None, None), ("gemma2", "int8", None, None),
-         ("gemma3_text", "int8", 2, None), ("gemma3_text", "int8", None, 128)]
+# (the tiny models' MLP is 96 wide, which the compiled GELU pass does not take; 128 does;
+# float32 rows with int16 activations are the AVX2 class's default)
+CASES = [("gemma3_text", "int8", None, None, "bfloat16"),
+         ("gemma3_text", "int4", None, None, "bfloat16"),
+         ("gemma3_text", "none", None, None, "bfloat16"),
+         ("gemma2", "int8", None, None, "bfloat16"),
+         ("gemma3_text", "int8", 2, None, "bfloat16"),
+         ("gemma3_text", "int8", None, 128, "bfloat16"),
+         ("gemma3_text", "int8", None, 128, "float32"),
+         ("gemma3_text", "int4", None, None, "float32")]
 
 
-@pytest.mark.parametrize(("family", "quantization", "packed_rows", "mlp"), CASES)
+@pytest.mark.parametrize(("family", "quantization", "packed_rows", "mlp", "dtype"), CASES)
 def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathlib.Path,
                                                monkeypatch: pytest.MonkeyPatch, family: str,
                                                quantization: str, packed_rows: int | None,
-                                               mlp: int | None) -> None:
+                                               mlp: int | None, dtype: str) -> None:
     if packed_rows is not None and not cpu_quant.has_tiles():
         pytest.skip(f"the {cpu_variant} build keeps no bf16 tiles (they need AVX512-BF16)")
     path = make_checkpoint(family, tmp_path,
                            overrides=None if mlp is None else {"intermediate_size": mlp})
-    kwargs = {"quantization": quantization, "packed_rows": packed_rows}
+    kwargs: dict[str, object] = {"quantization": quantization, "packed_rows": packed_rows,
+                                 "dtype": dtype}
+    if dtype == "float32":
+        kwargs["int16_activations"] = "on"
     fast_tokens, fast_logprobs, ran = _run(path, monkeypatch, True, **kwargs)
     tokens, logprobs, off = _run(path, monkeypatch, False, **kwargs)
     assert off == 0

@@ -11,7 +11,8 @@ layer as a flat sequence of op calls.
 
 It computes exactly what the modules compute (the same ops on the same tensors in the same
 order, so the same bits; `tests/test_fast_decode.py` compares the two), and takes only
-what it was written for: a bf16 model on the CPU whose layers are "sandwich" (Gemma 2 and
+what it was written for: a bf16 model on the CPU (or float32 with int16 activations, whose
+norms and rotary are compiled too: the AVX2 default) whose layers are "sandwich" (Gemma 2 and
 3: four RMSNorms) with their own K/V, rotary embeddings and fused q/k/v and gate/up
 projections, in steps where every row is one decode token. Anything else runs the
 modules. ``RINGSERVE_FAST_DECODE=0`` turns it off (to compare the two).
@@ -19,19 +20,23 @@ modules. ``RINGSERVE_FAST_DECODE=0`` turns it off (to compare the two).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ringserve.engine.forward_batch import ForwardBatch
+from ringserve.engine.models import quant_linear
 from ringserve.engine.models.layers import MLP, Attention, RMSNorm
 from ringserve.engine.models.quant_linear import TILE_ROWS, QuantLinear
 from ringserve.kernels import cpu_act, cpu_build, cpu_norm, cpu_quant
 from ringserve.kernels.torch_plan import step_plan
+
+logger = logging.getLogger("ringserve.engine")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,15 +50,30 @@ def _dense_rows(cache: torch.Tensor) -> bool:
     return cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == heads * dim
 
 
-def _linear(module: nn.Module, ops: Any) -> Linear | None:
-    """``module``'s forward for bf16 rows as `QuantLinear.forward` runs it, its choices made
-    once; a module of another kind keeps its own forward (no module call around it)."""
+def _linear(module: nn.Module, ops: Any, dtype: torch.dtype) -> Linear | None:
+    """``module``'s forward for rows of ``dtype`` as `QuantLinear.forward` runs it, its
+    choices made once; a module of another kind keeps its own forward (no module call
+    around it)."""
     if not isinstance(module, QuantLinear):
         forward: Linear = module.forward
         return forward
+    qw, bias, n = module.qw, module.bias, module.out_features
+    if dtype == torch.float32:  # the copies serve bf16 rows only
+        if module.int16_acts:
+            def int16(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = ops.int16_act_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                         qw.bits, qw.group, bias)
+                return out
+            return int16
+        if not module.kernel:
+            return None
+        def widened(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins, qw.bits,
+                                                   qw.group, bias, min(TILE_ROWS, 8))
+            return out
+        return widened
     if module.packed is not None or not module.kernel:
         return None  # oneDNN's packed copy, or no compiled path: the module decides
-    qw, bias, n = module.qw, module.bias, module.out_features
     tiles = module.tiles
     threshold = module.packed_rows if tiles is not None else None
     if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
@@ -79,11 +99,14 @@ def _linear(module: nn.Module, ops: Any) -> Linear | None:
     return either
 
 
-def _act_mul(mlp: MLP) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``act(gate) * up`` as `MLP.forward` computes it for bf16 CPU rows: the compiled tanh
-    GELU pass where `cpu_act.gelu_tanh_mul` takes the shape, else torch's two ops."""
+def _act_mul(mlp: MLP, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
+                                                      torch.Tensor]:
+    """``act(gate) * up`` as `MLP.forward` computes it for CPU rows of ``dtype``: the
+    compiled tanh GELU pass where `cpu_act.gelu_tanh_mul` takes them (bf16, the width a
+    multiple of its vector), else torch's two ops."""
     half = mlp.gate_up_proj.out_features // 2
-    op = cpu_act._op() if mlp.gelu_tanh and half % cpu_act._VECTOR == 0 else None
+    op = cpu_act._op() if (mlp.gelu_tanh and dtype == torch.bfloat16
+                           and half % cpu_act._VECTOR == 0) else None
     if op is not None:
         compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = op
         return compiled
@@ -104,16 +127,19 @@ class _Layer:
     gate_up: Linear
     down: Linear
     act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mods: list[RMSNorm] = field(default_factory=list)  # the four, then q_norm and k_norm
     scales: tuple[torch.Tensor, ...] = ()
-    versions: tuple[int, ...] = ()
+    versions: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.mods = [*self.norms, *([self.attn.q_norm, self.attn.k_norm]
+                                    if self.attn.qk_norm else [])]
 
     def norm_scales(self) -> tuple[torch.Tensor, ...]:
         """The norms' effective weights (`RMSNorm.scale`), fetched again if one changed."""
-        mods = [*self.norms, *(n for n in (getattr(self.attn, "q_norm", None),
-                                          getattr(self.attn, "k_norm", None)) if n is not None)]
-        versions = tuple(m.weight._version for m in mods)
+        versions = [m.weight._version for m in self.mods]
         if versions != self.versions:
-            self.scales = tuple(m.scale() for m in mods)
+            self.scales = tuple(m.scale() for m in self.mods)
             self.versions = versions
         return self.scales
 
@@ -121,31 +147,29 @@ class _Layer:
 class FastDecode:
     """The decode path of one model's layers (None from `build` where it does not apply)."""
 
-    def __init__(self, layers: list[_Layer], ops: Any) -> None:
+    def __init__(self, layers: list[_Layer], ops: Any, dtype: torch.dtype) -> None:
         self.layers = layers
         self.ops = ops
+        self.dtype = dtype
 
     @staticmethod
     def signature(model: Any) -> tuple[Any, ...]:
-        """What `build` reads that loading may still change: each layer's projection
-        modules and their copies (a forward may run before `--packed-rows` adds them)."""
-        out: list[Any] = []
-        for layer in model.model.layers:
-            for parent in (layer.self_attn._modules, layer.mlp._modules):
-                for m in parent.values():
-                    if isinstance(m, QuantLinear):
-                        out.append((id(m), m.packed_rows, m.tiles is not None,
-                                    m.packed is not None))
-                    elif m is not None:
-                        out.append(id(m))
-        return tuple(out)
+        """What `build` read that may change after a forward: the copies made since
+        (`--packed-rows` adds them after loading) and the projection modules (loading
+        replaces them, every layer in one pass: the first and last layers' stand for all)."""
+        layers = model.model.layers
+        ends = (layers[0], layers[-1]) if len(layers) else ()
+        return (quant_linear.copy_epoch(), *(id(m) for layer in ends for parent in (
+            layer.self_attn._modules, layer.mlp._modules) for m in parent.values()))
 
     @classmethod
     def build(cls, model: Any, dtype: torch.dtype) -> FastDecode | None:
-        if dtype != torch.bfloat16 or not cpu_build.available():
+        if dtype not in (torch.bfloat16, torch.float32) or not cpu_build.available():
             return None
-        probe = torch.empty(1, 64, dtype=torch.bfloat16)
-        if not cpu_norm.supports(probe):
+        # float32 rows only where the norms and rotary take their compiled float32 pass
+        # (with int16 activations, engine.loading.quantize); elsewhere torch's ops serve them
+        f32 = dtype == torch.float32
+        if not cpu_norm.supports(torch.empty(1, 64, dtype=dtype), f32):
             return None
         ops = cpu_build.ops()
         layers = []
@@ -157,35 +181,39 @@ class FastDecode:
                 return None
             if (attn.kv_mode != "own" or attn.defer_write or not attn.fused
                     or attn.qk_norm_full or attn.v_norm or attn.interleaved
-                    or attn.sinks is not None or not mlp.fused):
+                    or attn.sinks is not None or not mlp.fused
+                    or (f32 and not attn.float32_kernel)):
                 return None
             norms = tuple(getattr(layer, name) for name in (
                 "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm"))
             heads = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-            if not all(isinstance(n, RMSNorm) and not n.float32_kernel for n in norms) or (
-                    attn.qk_norm and not all(isinstance(n, RMSNorm) for n in heads)):
+            if not all(isinstance(n, RMSNorm) and n.float32_kernel == f32
+                       for n in [*norms, *(heads if attn.qk_norm else [])]):
                 return None
-            linears = [_linear(m, ops) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj)]
+            linears = [_linear(m, ops, dtype) for m in (attn.qkv_proj, attn.o_proj,
+                                                        mlp.gate_up_proj, mlp.down_proj)]
             if any(f is None for f in linears):
                 return None
             qkv, o, gate_up, down = (f for f in linears if f is not None)
-            layers.append(_Layer(attn, norms, qkv, o, gate_up, down, _act_mul(mlp)))
-        return cls(layers, ops)
+            layers.append(_Layer(attn, norms, qkv, o, gate_up, down, _act_mul(mlp, dtype)))
+        logger.info("decode steps: each layer's compiled ops called in one flat sequence "
+                    "(engine/models/fast_decode.py; RINGSERVE_FAST_DECODE=0 for the modules)")
+        return cls(layers, ops, dtype)
 
     def takes(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[Any],
               rope_of_layer: list[int | None]) -> bool:
-        """Whether this step is one it serves: bf16 rows on the CPU, every row one decode
-        token after a cached context, no early writes, every layer with rotary tables."""
-        if (not enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+        """Whether this step is one it serves: rows of its dtype on the CPU, every row one
+        decode token after a cached context, no early writes, every layer with rotary
+        tables, caches of the rows' dtype (or bf16 under float32 rows)."""
+        if (not enabled() or x.dtype != self.dtype or x.device.type != "cpu"
                 or batch.early_writes is not None or any(r is None for r in rope_of_layer)):
             return False
         tokens, seqs = x.shape[0], batch.context_lens.shape[0]
         if tokens != seqs or tokens == 0 or int(batch.context_lens.min()) < 1:
             return False
-        return all(_dense_rows(k) and _dense_rows(v) and k.dtype == torch.bfloat16
-                   and v.dtype == k.dtype for k, v in kv_caches)
+        return all(_dense_rows(k) and _dense_rows(v) and v.dtype == k.dtype
+                   and k.dtype in (x.dtype, torch.bfloat16) for k, v in kv_caches)
 
     def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
             rope_of_layer: list[int | None], batch: ForwardBatch,

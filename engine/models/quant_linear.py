@@ -98,6 +98,7 @@ class QuantLinear(nn.Module):
             The copy's bytes.
         """
         self.packed_rows = rows
+        _copies[0] += 1
         if self.kernel and cpu_quant.has_tiles():
             self.tiles = cpu_quant.quant_tiles(self.qw)
             return sum(int(t.numel() * t.element_size()) for t in self.tiles)
@@ -150,6 +151,15 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group={self.group}")  # fmt: skip
+
+
+_copies = [0]  # copies made so far in this process (`copy_epoch`)
+
+
+def copy_epoch() -> int:
+    """How many linears have been given a copy (`QuantLinear.add_packed_copy`) so far: a
+    path chosen before a copy was made (`engine.models.fast_decode`) is chosen again."""
+    return _copies[0]
 
 
 def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
