@@ -98,13 +98,15 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
     writes, in one call instead of two index_copy_ and the views around them. A cache
     whose token rows are not contiguous (not a view of engine/kv_cache.py's slab) takes
     the reference."""
-    if not (_dense_rows(key_cache) and _dense_rows(value_cache)
+    if not (dense_rows(key_cache) and dense_rows(value_cache)
             and key_cache.dtype == value_cache.dtype):
         write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
         return
     ops().write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
-def _dense_rows(cache: torch.Tensor) -> bool:
+def dense_rows(cache: torch.Tensor) -> bool:
+    """Whether each token row (kv heads x head dim) of a [blocks, block_size, kv_heads,
+    head_dim] cache is contiguous, as in a view of engine/kv_cache.py's slab."""
     heads, dim = cache.shape[2], cache.shape[3]
     return cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == heads * dim

@@ -34,6 +34,7 @@ from ringserve.engine.models import quant_linear
 from ringserve.engine.models.layers import MLP, Attention, RMSNorm
 from ringserve.engine.models.quant_linear import TILE_ROWS, QuantLinear
 from ringserve.kernels import cpu_act, cpu_build, cpu_norm, cpu_quant
+from ringserve.kernels.cpu_attention import dense_rows
 from ringserve.kernels.torch_plan import step_plan
 
 logger = logging.getLogger("ringserve.engine")
@@ -43,11 +44,6 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 def enabled() -> bool:
     return os.environ.get("RINGSERVE_FAST_DECODE", "1") != "0"
-
-
-def _dense_rows(cache: torch.Tensor) -> bool:
-    heads, dim = cache.shape[2], cache.shape[3]
-    return cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(1) == heads * dim
 
 
 def _linear(module: nn.Module, ops: Any, dtype: torch.dtype) -> Linear | None:
@@ -212,7 +208,7 @@ class FastDecode:
         tokens, seqs = x.shape[0], batch.context_lens.shape[0]
         if tokens != seqs or tokens == 0 or int(batch.context_lens.min()) < 1:
             return False
-        return all(_dense_rows(k) and _dense_rows(v) and v.dtype == k.dtype
+        return all(dense_rows(k) and dense_rows(v) and v.dtype == k.dtype
                    and k.dtype in (x.dtype, torch.bfloat16) for k, v in kv_caches)
 
     def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
