@@ -32,8 +32,8 @@ from torch import nn
 from ringserve.engine.forward_batch import ForwardBatch
 from ringserve.engine.models import quant_linear
 from ringserve.engine.models.layers import MLP, Attention, RMSNorm
-from ringserve.engine.models.quant_linear import TILE_ROWS, QuantLinear
-from ringserve.kernels import cpu_act, cpu_build, cpu_norm, cpu_quant
+from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.kernels import cpu_act, cpu_build, cpu_norm
 from ringserve.kernels.cpu_attention import dense_rows
 from ringserve.kernels.torch_plan import step_plan
 
@@ -46,53 +46,14 @@ def enabled() -> bool:
     return os.environ.get("RINGSERVE_FAST_DECODE", "1") != "0"
 
 
-def _linear(module: nn.Module, ops: Any, dtype: torch.dtype) -> Linear | None:
-    """``module``'s forward for rows of ``dtype`` as `QuantLinear.forward` runs it, its
-    choices made once; a module of another kind keeps its own forward (no module call
-    around it)."""
-    if not isinstance(module, QuantLinear):
-        forward: Linear = module.forward
-        return forward
-    qw, bias, n = module.qw, module.bias, module.out_features
-    if dtype == torch.float32:  # the copies serve bf16 rows only
-        if module.int16_acts:
-            def int16(x: torch.Tensor) -> torch.Tensor:
-                out: torch.Tensor = ops.int16_act_linear(x, qw.qweight, qw.scales, qw.mins,
-                                                         qw.bits, qw.group, bias)
-                return out
-            return int16
-        if not module.kernel:
-            return None
-        def widened(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins, qw.bits,
-                                                   qw.group, bias, min(TILE_ROWS, 8))
-            return out
-        return widened
-    if module.packed is not None or not module.kernel:
-        return None  # oneDNN's packed copy, or no compiled path: the module decides
-    tiles = module.tiles
-    threshold = module.packed_rows if tiles is not None else None
-    if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
-        def few(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = ops.quant_linear(x, qw.qweight, qw.scales, qw.mins, qw.bits,
-                                                 qw.group, bias, TILE_ROWS)
-            return out
-    else:
-        def few(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
-                                                   qw.bits, qw.group, bias,
-                                                   min(TILE_ROWS, 8))
-            return out
-    if threshold is None:
-        return few
-    assert tiles is not None
-
-    def either(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= threshold:
-            out: torch.Tensor = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n, bias)
-            return out
-        return few(x)
-    return either
+def _linear(module: nn.Module, dtype: torch.dtype) -> Linear | None:
+    """``module``'s forward for rows of ``dtype`` with its choices made once
+    (`QuantLinear.fixed_forward`); a module of another kind keeps its own forward (no module
+    call around it)."""
+    if isinstance(module, QuantLinear):
+        return module.fixed_forward(dtype)
+    forward: Linear = module.forward
+    return forward
 
 
 def _act_mul(mlp: MLP, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
@@ -187,7 +148,7 @@ class FastDecode:
             if not all(isinstance(n, RMSNorm) and n.float32_kernel == f32
                        for n in [*norms, *(heads if attn.qk_norm else [])]):
                 return None
-            linears = [_linear(m, ops, dtype) for m in (attn.qkv_proj, attn.o_proj,
+            linears = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj,
                                                         mlp.gate_up_proj, mlp.down_proj)]
             if any(f is None for f in linears):
                 return None

@@ -25,6 +25,7 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from ringserve.engine.models.layers import MLP, Attention
 from ringserve.engine.models.packed_linear import bucket_rows, can_pack
-from ringserve.kernels import cpu_quant
+from ringserve.kernels import cpu_build, cpu_quant
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 logger = logging.getLogger("ringserve.engine")
@@ -127,6 +128,7 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)  # type: ignore[no-any-return,no-untyped-call]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: `fixed_forward` makes these choices once for the fast decode layers
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         out: torch.Tensor
@@ -147,6 +149,53 @@ class QuantLinear(nn.Module):
         else:
             out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`forward` for 2-D rows of ``dtype``, its choices made now: the kernel call it
+        would make for each row count, for a caller that runs it every step
+        (`engine.models.fast_decode`). None where `forward` takes a path this does not
+        (oneDNN's packed copy, no compiled kernel). The same calls as `forward`: change the
+        two together (tests/test_fast_decode.py compares their bits)."""
+        ops = cpu_build.ops()
+        qw, bias, n = self.qw, self.bias, self.out_features
+        if dtype == torch.float32:  # the copies serve bf16 rows only
+            if self.int16_acts:
+                def int16(x: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor = ops.int16_act_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                             qw.bits, qw.group, bias)
+                    return out
+                return int16
+            if not self.kernel:
+                return None
+
+            def widened(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                       qw.bits, qw.group, bias, min(TILE_ROWS, 8))
+                return out
+            return widened
+        if dtype != torch.bfloat16 or self.packed is not None or not self.kernel:
+            return None
+        if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
+            def few(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = ops.quant_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                     qw.bits, qw.group, bias, TILE_ROWS)
+                return out
+        else:
+            def few(x: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
+                                                       qw.bits, qw.group, bias, min(TILE_ROWS, 8))
+                return out
+        tiles, threshold = self.tiles, self.packed_rows
+        if tiles is None or threshold is None:
+            return few
+
+        def either(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= threshold:
+                out: torch.Tensor = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n,
+                                                           bias)
+                return out
+            return few(x)
+        return either
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
