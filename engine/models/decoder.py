@@ -176,10 +176,10 @@ class CausalLM(nn.Module):
         self._kv_shared = bool(self._deferred)
         self._fast: tuple[tuple[Any, ...], FastDecode | None] | None = None
 
-
     def _fast_decode(self, dtype: torch.dtype) -> FastDecode | None:
         """The layers' decode path without their modules (`fast_decode`), built for the
-        model as it is now: rebuilt when a linear gained or lost a copy since."""
+        model as it is now: built again after a linear gained a copy or loading replaced
+        the projections (`FastDecode.signature`)."""
         sign = FastDecode.signature(self)
         if self._fast is None or self._fast[0] != (dtype, sign):
             self._fast = ((dtype, sign), FastDecode.build(self, dtype))
@@ -204,7 +204,9 @@ class CausalLM(nn.Module):
             {} if self._kv_shared else None)
         fast = self._fast_decode(x.dtype)
         if fast is not None and fast.takes(x, batch, kv_caches, self._layer_rope):
-            return self.model.norm(fast.run(x, tables, self._layer_rope, batch, kv_caches))  # type: ignore[no-any-return]
+            normed: torch.Tensor = self.model.norm(fast.run(x, tables, self._layer_rope, batch,
+                                                            kv_caches))
+            return normed
         for i, layer in enumerate(self.model.layers):
             rope = self._layer_rope[i]
             x = layer(x, None if rope is None else tables[rope], batch, kv_caches[i], shared,
