@@ -16,7 +16,7 @@ from ringserve.block_manager.budget import (
     sequences_that_fit,
 )
 from ringserve.block_manager.pool import BlockPool
-from ringserve.block_manager.prefix import Hit, PrefixIndex, extend_chain
+from ringserve.block_manager.prefix import Hit, PrefixIndex, extend_chain, first_needed
 from ringserve.block_manager.ring import overwrites_between, recycles_between, ring_slack
 from ringserve.block_manager.table import SKIP_SLOT, BlockTable
 
@@ -215,8 +215,13 @@ class KVCacheManager:
                 self._reserved_full += n
             else:
                 self._reserved_ring += n
-        tables = [BlockTable(self.pool, self.spec.block_size, ring, keep_steps=self.caching)
-                  for ring in self.ring_blocks]
+        # a next turn that re-templates the answer hits at this prompt's end: each ring
+        # holds the blocks such a hit reads when generating moves past them (§9)
+        m = prompt_len // self.spec.block_size
+        tables = [BlockTable(self.pool, self.spec.block_size, ring, keep_steps=self.caching,
+                             hold=range(first_needed(self.spec, g, m) if self.caching
+                                        and ring is not None else m, m))
+                  for g, ring in enumerate(self.ring_blocks)]
         state = _SeqState(tables, need, prompt_len + max_tokens)
         self._seqs[seq_id] = state
         if not self.caching:

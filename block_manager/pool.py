@@ -20,7 +20,10 @@ class BlockPool:
     waits, still findable, in an LRU of evictable blocks. A block is taken from the truly
     free ones first (oldest freed first, which keeps allocation order deterministic and easy
     to narrate in tests), else the least recently used evictable one loses its key and is
-    reused. So free = truly free + evictable. The pool never grows.
+    reused. A block let go with ``hold`` (a running sequence's ring moved past it, and the
+    sequence's next turn will read it: `BlockTable`) waits behind every other evictable
+    block until `let_go` puts it in the LRU. So free = truly free + evictable + held. The
+    pool never grows.
 
     For exact admission with sharing (`KVCacheManager`), the pool keeps three counters:
     blocks in use (``num_used``), references to full-attention blocks (``full_refs``) and
@@ -30,7 +33,7 @@ class BlockPool:
         num_blocks: how many physical blocks the cache tensors hold.
     """
 
-    __slots__ = ("_cached", "_evictable", "_free", "_key", "_parked", "_ref", "_ring",
+    __slots__ = ("_cached", "_evictable", "_free", "_held", "_key", "_parked", "_ref", "_ring",
                  "events", "evictions", "full_refs", "num_blocks", "num_used", "ring_exclusive")
 
     def __init__(self, num_blocks: int) -> None:
@@ -43,6 +46,7 @@ class BlockPool:
         self._key: list[Hashable | None] = [None] * num_blocks
         self._cached: dict[Hashable, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._held: OrderedDict[int, None] = OrderedDict()
         self._parked: set[int] = set()
         self.num_used = 0
         self.full_refs = 0
@@ -55,7 +59,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks a caller can take: truly free plus evictable."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._held)
 
     @property
     def num_cached(self) -> int:
@@ -79,8 +83,8 @@ class BlockPool:
         """
         if self._free:
             block = self._free.popleft()
-        elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
+        elif self._evictable or self._held:
+            block, _ = (self._evictable or self._held).popitem(last=False)
             key = self._key[block]
             del self._cached[key]
             self._key[block] = None
@@ -96,13 +100,20 @@ class BlockPool:
     def pin(self, block: int) -> None:
         """One more holder of a cached block (found by `peek`), or of a block in use."""
         if self._ref[block] == 0:
-            if block not in self._evictable:
+            if block in self._evictable:
+                del self._evictable[block]
+            elif block in self._held:
+                del self._held[block]
+            else:
                 raise BlockPoolError(f"block {block} is free and holds nothing to share")
-            del self._evictable[block]
         self._set_ref(block, self._ref[block] + 1)
 
-    def free(self, block: int) -> bool:
+    def free(self, block: int, *, hold: bool = False) -> bool:
         """One holder lets go of a block.
+
+        Args:
+            hold: a cached block left by its last holder waits behind every other
+                evictable block until `let_go` (it is still free memory to admission).
 
         Returns:
             True when the block's contents are gone for good (it went back to the truly
@@ -117,10 +128,18 @@ class BlockPool:
         if self._ref[block]:
             return False
         if self._key[block] is not None:
-            self._evictable[block] = None
+            (self._held if hold else self._evictable)[block] = None
             return False
         self._free.append(block)
         return True
+
+    def let_go(self, blocks: list[int]) -> None:
+        """Held blocks join the LRU as its most recently used, in this order (a block no
+        longer held, taken or evicted since, is left alone)."""
+        for block in blocks:
+            if block in self._held:
+                del self._held[block]
+                self._evictable[block] = None
 
     def park(self, block: int) -> None:
         """Let go of a block whose contents the current step is still writing: nobody holds

@@ -78,7 +78,7 @@ def find_hit(spec: KVCacheSpec, chain: Sequence[bytes], prompt_len: int,
     return Hit(num_blocks=m, rows=rows)
 
 
-def _first_needed(spec: KVCacheSpec, group: int, m: int) -> int:
+def first_needed(spec: KVCacheSpec, group: int, m: int) -> int:
     """First block a query at position ``m * b`` or later still reads in ``group``."""
     window = spec.groups[group].window
     if window is None:
@@ -87,7 +87,7 @@ def _first_needed(spec: KVCacheSpec, group: int, m: int) -> int:
 
 
 def _serves(spec: KVCacheSpec, group: int, ok: list[int], m: int) -> bool:
-    lo = _first_needed(spec, group, m)
+    lo = first_needed(spec, group, m)
     return ok[m] - ok[lo] == m - lo
 
 
@@ -95,7 +95,7 @@ def _row(spec: KVCacheSpec, group: int, blocks: list[int | None], m: int) -> lis
     b, ring = spec.block_size, spec.ring_blocks(group)
     size = blocks_for_tokens(m * b, b, ring)
     row: list[int | None] = [None] * size
-    lo = _first_needed(spec, group, m)
+    lo = first_needed(spec, group, m)
     for k in range(m - size, m):
         row[table_index(k * b, b, ring)] = blocks[k] if k >= lo else None
     return row

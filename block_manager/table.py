@@ -26,13 +26,18 @@ class BlockTable:
         ring_blocks: ring length ``R``, or None for a full-attention group.
     """
 
-    __slots__ = ("block_size", "blocks", "capacity", "keep_steps", "num_tokens", "parked",
-                 "pool", "ring_blocks", "swaps")
+    __slots__ = ("block_size", "blocks", "capacity", "held", "hold", "keep_steps", "num_tokens",
+                 "parked", "pool", "ring_blocks", "swaps")
 
     def __init__(self, pool: BlockPool, block_size: int, ring_blocks: int | None, *,
-                 keep_steps: bool = False) -> None:
+                 keep_steps: bool = False, hold: range = range(0)) -> None:
         self.pool = pool
         self.keep_steps = keep_steps
+        # logical blocks whose block, when the ring moves past it, stays behind the pool's
+        # other evictable blocks until `free` (`BlockPool.free`'s hold): a later prompt
+        # that extends this one's prompt reads them (docs/design.md §9)
+        self.hold = hold
+        self.held: list[int] = []
         self.parked: dict[int, int] = {}  # logical block -> the block that holds it, parked
         self.block_size = block_size
         self.ring_blocks = ring_blocks
@@ -81,7 +86,10 @@ class BlockTable:
                 if self.pool.keeps(old):
                     # NOTE: let go first: in a full pool the fresh block may be the old one
                     # itself, evicted from the cache (its contents have expired for us).
-                    self.pool.free(old)
+                    hold = k - ring in self.hold
+                    self.pool.free(old, hold=hold)
+                    if hold:
+                        self.held.append(old)
                     self.blocks[entry] = self.pool.allocate(ring=True)
                     self.swaps += 1
                 elif (k - ring + 1) * b > start and spare > 0:  # written by this step
@@ -134,7 +142,10 @@ class BlockTable:
         """Let go of every block; returns those whose contents are gone for good.
 
         With prefix caching a full-attention row goes back deepest block first, so the
-        pool's LRU evicts its tail before its head: what is left stays a usable prefix."""
+        pool's LRU evicts its tail before its head: what is left stays a usable prefix; a
+        ring's held blocks (`hold`) go back just before its row."""
+        self.pool.let_go(self.held)
+        self.held.clear()
         tail_first = self.keep_steps and self.ring_blocks is None
         gone = [block for block in (self.blocks[::-1] if tail_first else self.blocks)
                 if self.pool.free(block)]

@@ -400,6 +400,12 @@ class PrefixRingMachine(RuleBasedStateMachine):
         assert stats.blocks_used <= stats.blocks_reserved <= pool.num_blocks
         assert pool.num_parked == 0  # between steps nothing is parked
         assert stats.read_misses == 0
+        # a block waits held (behind the LRU) only for a sequence that still runs, and
+        # holds something findable
+        holding = {blk for sid in self.length for t in self.kv._seqs[sid].tables
+                   for blk in t.held}
+        assert set(pool._held) <= holding
+        assert all(pool.ref(blk) == 0 and pool.keeps(blk) for blk in pool._held)
 
     @invariant()
     def events_tell_the_cache(self) -> None:

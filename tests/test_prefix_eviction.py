@@ -10,6 +10,7 @@ it, and ask what each session's next turn still finds.
 from __future__ import annotations
 
 from ringserve.block_manager import KVCacheManager, KVCacheSpec, LayerGroup
+from ringserve.block_manager.prefix import find_hit
 
 
 def _spec(window: int | None) -> KVCacheSpec:
@@ -79,3 +80,41 @@ def test_an_admitted_hit_keeps_its_blocks_and_exact_outputs_follow() -> None:
         kv.pool.allocate()
     assert kv.admit("A2", len(a_next), 1, a_next) == 12
     assert kv.check_reads("A2", 12) == 0
+
+
+def test_a_session_that_ended_first_is_evicted_first() -> None:
+    """A next turn that re-templates the answer hits at the previous prompt's end and reads
+    the ring blocks covering the window before it; generating moves the ring past the
+    oldest of them while the sequence still runs. Those go back to the LRU with the rest of
+    the session's blocks when it ends, not when the ring moves on, so the session that
+    ended first is evicted first. (Under a plain LRU, B's blocks let go mid-generation went
+    before A's, and B lost its whole hit to two evictions while A kept all of its.)"""
+    kv = KVCacheManager(_spec(window=4), 40, max_model_len=64, enable_prefix_caching=True)
+    a = list(range(100, 112))  # 12 tokens: a hit at 12 reads p9..p11 (blocks 4, 5)
+    b = list(range(200, 212))
+    kv.admit("A", len(a), 1, a)
+    kv.admit("B", len(b), 6, b)
+    kv.append("A", len(a), a)
+    kv.append("B", len(b), b)
+    kv.commit()
+    for t in range(6):  # B's ring (3 blocks of 2) moves past blocks 4 and 5 of its prompt
+        kv.append("B", 1, [300 + t])
+        kv.commit()
+    kv.append("A", 1, [400])
+    kv.commit()
+    kv.release("A")  # A ends first, then B
+    kv.release("B")
+    a_next, b_next = [*a, 1, 2, 3, 4], [*b, 5, 6, 7, 8]
+    assert _found(kv, a_next) == _found(kv, b_next) == 12
+    _take_truly_free(kv)
+    while _found(kv, a_next) == 12:  # evict until A's hit breaks (looking, not touching)
+        kv.pool.allocate()
+    assert _found(kv, b_next) == 12
+
+
+def _found(kv: KVCacheManager, prompt: list[int]) -> int:
+    """Prompt tokens a prompt would find cached, leaving the LRU's order alone (an
+    admission check marks the blocks its hit reads recently used)."""
+    hit = find_hit(kv.spec, kv.prefix.chain(prompt), len(prompt),
+                   lambda g, name: kv.pool.peek((g, name)))
+    return hit.num_blocks * kv.spec.block_size
