@@ -99,7 +99,7 @@ def run(policy: str, caching: bool, args: argparse.Namespace) -> list[TurnStats]
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=5)
@@ -115,9 +115,14 @@ def main() -> None:
                     help="modelled cost of a step (default: an 8-row decode step here)")
     ap.add_argument("--token-ms", type=float, default=0.9,
                     help="modelled cost of each token a step feeds")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.sessions
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     runs = {name: run(policy, caching, args) for name, policy, caching in
             (("off", "fcfs", False), ("fcfs", "fcfs", True), ("lpm", "lpm", True))}
     print(f"{args.sessions} sessions x {args.turns} turns, pool {args.kv_cache_memory}: "

@@ -126,13 +126,9 @@ def test_multi_turn_sessions_keep_hitting_under_pressure() -> None:
     and pool, without a model (`benchmarks/multiturn_sim.py`): with lpm, at least 5 of the 8
     sessions find their previous prompt cached at every turn from 2 on. (A ring that let
     go of its prompt's window as it generated left 2 a turn.)"""
-    import argparse
+    from benchmarks.multiturn_sim import parse_args, run
 
-    from benchmarks.multiturn_sim import run
-
-    args = argparse.Namespace(sessions=8, turns=5, first_turn=400, answer=64, user=48,
-                              output=32, kv_cache_memory="64MiB", max_num_seqs=8,
-                              max_num_batched_tokens=512, step_ms=25.0, token_ms=0.9)
+    args = parse_args(["--kv-cache-memory", "64MiB"])
     turns = run("lpm", True, args)
     assert min(t.hits for t in turns[2:]) >= 5, [t.hits for t in turns]
     assert all(t.hit_rate > 0.4 for t in turns[2:])
