@@ -219,8 +219,8 @@ class KVCacheManager:
         # holds the blocks such a hit reads when generating moves past them (§9)
         m = prompt_len // self.spec.block_size
         tables = [BlockTable(self.pool, self.spec.block_size, ring, keep_steps=self.caching,
-                             hold=range(first_needed(self.spec, g, m) if self.caching
-                                        and ring is not None else m, m))
+                             hold=range(first_needed(self.spec, g, m), m)
+                             if self.caching and ring is not None else range(0))
                   for g, ring in enumerate(self.ring_blocks)]
         state = _SeqState(tables, need, prompt_len + max_tokens)
         self._seqs[seq_id] = state

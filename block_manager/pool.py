@@ -58,7 +58,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks a caller can take: truly free plus evictable."""
+        """Blocks a caller can take: truly free, evictable and held."""
         return len(self._free) + len(self._evictable) + len(self._held)
 
     @property
