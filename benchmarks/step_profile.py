@@ -3,7 +3,7 @@
     python benchmarks/step_profile.py --batch 8                  # gemma-3-270m, dtype auto
     python benchmarks/step_profile.py --batch 32 --context 400 --shapes
     python benchmarks/step_profile.py --batch 1 --quantization int8
-    python benchmarks/step_profile.py --batch 32 --packed-head-rows 16
+    python benchmarks/step_profile.py --batch 32 --packed-rows off   # the quantized weights alone
 
 Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
 (median and fastest) and prints the profiler's table of one more batch of steps, so the
@@ -31,6 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ringserve.engine import LLM, SamplingParams
 
 
+def _rows(text: str) -> int | str | None:
+    """``--packed-rows``: "off" -> None, "auto" as is, else a row count."""
+    return None if text == "off" else text if text == "auto" else int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-3-270m")
@@ -43,8 +48,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--packed-head-rows", type=int, default=None,
                     help="as `ringserve serve --packed-head-rows`")
-    ap.add_argument("--packed-rows", type=int, default=None,
-                    help="as `ringserve serve --packed-rows`")
+    ap.add_argument("--packed-rows", default="auto",
+                    help="as `ringserve serve --packed-rows`: a row count, auto (the "
+                    "server's default) or off")
     ap.add_argument("--int16-activations", default="auto",
                     help="as `ringserve serve --int16-activations`")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
@@ -56,7 +62,7 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
-              packed_head_rows=args.packed_head_rows, packed_rows=args.packed_rows,
+              packed_head_rows=args.packed_head_rows, packed_rows=_rows(args.packed_rows),
               int16_activations=args.int16_activations)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
@@ -87,7 +93,7 @@ def main() -> None:
     print(table)
     median = statistics.median(times)
     print(f"{args.model} {engine.dtype} {engine.quantization} batch {args.batch}, "
-          f"context {args.context}, "
+          f"context {args.context}, packed rows {args.packed_rows}, "
           f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
           f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "
           f"({args.batch / median:.1f} tok/s); the table covers {args.profile_steps} steps")

@@ -58,8 +58,8 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: off)"),
     ("packed-rows", _rows_or_auto, "the same for every quantized linear: steps and "
      "prefill chunks of at least this many rows multiply by copies widened to bf16 once "
-     "(about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); auto: 16 where the copies "
-     "are the kernels' bf16 tiles (AVX512-BF16/AMX) and fit in a quarter of the available "
+     "(about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); auto: from 8 rows where the "
+     "copies are the kernels' bf16 tiles (AVX512-BF16/AMX) and fit in a quarter of the available "
      "memory; off"),
     ("kv-events-config", str, "vLLM's KV events, e.g. '{\"enable_kv_cache_events\": true, "
      "\"endpoint\": \"tcp://*:5557\"}': what the prefix cache stores and evicts, on a ZMQ "
