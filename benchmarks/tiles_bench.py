@@ -13,28 +13,18 @@ memory reads now (this host's speed moves by minutes). AVX512-BF16 / AMX builds 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_bench import cpu_seconds
 
 from ringserve.kernels import cpu_quant
 from ringserve.kernels.quant import QuantizedWeight
-
-
-def median_ms(f: Callable[[], object], reps: int) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -59,14 +49,14 @@ def main() -> None:
     print(f"{n} x {k} int8/32 as tiles ({read / 2**20:.0f} MiB), "
           f"{torch.get_num_threads()} threads")
     for r in range(args.rounds):
-        gbs = big.numel() * 4 / median_ms(big.sum, args.reps) / 1e6
+        gbs = big.numel() * 4 / cpu_seconds(big.sum, args.reps) / 1e9
         print(f"round {r + 1}: memory read {gbs:.1f} GB/s (torch sum)")
         print("| rows | ms | GB/s of the tiles | GFLOP/s |")
         print("|---|---|---|---|")
         for m in (int(x) for x in args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
-            ms = median_ms(lambda x=x: cpu_quant.quant_linear_tiles(x, tiles, qw, None),
-                           args.reps)
+            ms = 1e3 * cpu_seconds(lambda x=x: cpu_quant.quant_linear_tiles(x, tiles, qw, None),
+                                   args.reps)
             print(f"| {m} | {ms:.2f} | {read / ms / 1e6:.1f} | {2 * m * n * k / ms / 1e6:.0f} |")
 
 
