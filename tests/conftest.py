@@ -18,6 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
+# NOTE: first, so that no test module's transformers import finds the repository's
+# kernels/ folder as Hugging Face's `kernels` package (ringserve/__init__.py says why).
+import ringserve  # noqa: F401
+
 try:
     import torch
 
