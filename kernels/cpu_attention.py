@@ -7,9 +7,8 @@ V row of the window once, through the block table, and writes the output row dir
 A prefill chunk on the reference path is the whole (chunk x window) score square through
 bmm, masking and softmax, one sequence at a time from Python; `csrc/paged_prefill.cpp`
 scores each new token against only the keys it may see, every chunk of the step in one
-call. It serves on AVX-512 classes; on AVX2 and portable builds its rows are plain loops
-the compiler vectorises, which measured 0.45-0.9x of torch's bmm path
-(`benchmarks/prefill_attention_bench.py --variant avx2`), so those keep the torch path.
+call. It serves on AVX2 and AVX-512 classes (the same register tiles, 8 or 16 lanes wide);
+the portable build's rows are plain loops, so that class keeps the torch path.
 
 The kernel is built by `kernels.cpu_build`; where it cannot be (no compiler) the torch
 reference serves everything, as before.
@@ -55,7 +54,8 @@ def paged_attention_cpu(
     Prefill rows (a chunk of new tokens, or one token without a context) go through the
     prefill kernel, decode rows (one new token after a cached context) through the decode
     kernel; both read the ring in place. ``compiled_prefill``: whether prefill rows take
-    the compiled kernel (None: on AVX-512 classes, module doc) or the torch reference.
+    the compiled kernel (None: on AVX2 and AVX-512 classes, module doc) or the torch
+    reference.
     """
     result = out if out is not None and out.is_contiguous() else torch.empty_like(query)
     plan = step_plan(block_tables, query_start_loc, context_lens,
@@ -64,7 +64,7 @@ def paged_attention_cpu(
     tables = block_tables.to(torch.int32).contiguous()
     sink_logits = None if sinks is None else sinks.float().contiguous()
     if compiled_prefill is None:
-        compiled_prefill = cpu_isa.info().at_least("avx512")
+        compiled_prefill = cpu_isa.info().at_least("avx2")
     if plan.prefill_index.numel() and compiled_prefill:
         ops().paged_prefill(
             query.contiguous(), key.contiguous(), value.contiguous(), key_cache, value_cache,

@@ -6,7 +6,7 @@
 
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <c10/util/BFloat16.h>
@@ -108,36 +108,93 @@ inline void value_row(float* acc, const float* p, int64_t stride, const T* v, in
   axpys(acc, p, stride, v, g, d);
 }
 
+#if defined(__AVX2__)
+// The tiled rows below, written once over a vector of W float32 lanes: AVX-512 (16) where
+// the build has it, else AVX2 + FMA (8). The AVX-512 build runs the same instructions as
+// before this was shared.
+#define RINGSERVE_ATTN_TILED 1
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 (softmax after subtracting the max), relative error ~2e-7: a degree-6
-// polynomial of the remainder after 2^n, scaled back with scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+struct Vec {
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename C>
+  static V load(const C* p) { return ringserve::load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // exp(x) for x <= 0 (softmax after subtracting the max), relative error ~2e-7: a degree-6
+  // polynomial of the remainder after 2^n, scaled back with scalef.
+  static V exp_nonpositive(V x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp_poly(n, x), n);
+  }
+  static V exp_poly(V n, V x) {
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    V p = _mm512_set1_ps(1.f / 720);
+    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return p;
+  }
+};
+#else
+struct Vec {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename C>
+  static V load(const C* p) { return ringserve::load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static float sum(V v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // The same polynomial as the AVX-512 build's; 2^n built in the exponent bits (AVX2 has
+  // no scalef): n >= -126 after the clamp, so 2^n is a normal float.
+  static V exp_nonpositive(V x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    V p = _mm256_set1_ps(1.f / 720);
+    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+};
 #endif
 
-#if defined(__AVX512F__)
-// The tiled path for groups of 1, 2, 4 or 8 query heads and d a multiple of 16: G * P
-// score sums (G heads x P positions) stay in registers while each 16-wide chunk of P key
+// The tiled path for groups of 1, 2, 4 or 8 query heads and d a multiple of W: G * P
+// score sums (G heads x P positions) stay in registers while each W-wide chunk of P key
 // rows is widened once, and the weighted sum of V keeps G x DC output chunks in registers
-// across the whole window (DC chunks of 16 at a time), so nothing is stored per position.
+// across the whole window (DC chunks of W at a time), so nothing is stored per position.
 // Rows come through a table of pointers built block by block (no division per position).
+// NOTE: sized to the registers: AVX-512 has 32, AVX2 16 (acc + rows + one q/p each).
 template <int G>
 struct Tile {
+#if defined(__AVX512F__)
   static constexpr int P = G >= 8 ? 2 : (G == 4 ? 4 : 8);  // positions a score tile
-  static constexpr int DC = 16 / G;                         // value chunks of 16 a pass
+  static constexpr int DC = 16 / G;                         // value chunks a pass
+#else
+  static constexpr int P = G >= 8 ? 1 : (G == 4 ? 2 : 4);
+  static constexpr int DC = G >= 8 ? 1 : (G == 4 ? 2 : (G == 2 ? 4 : 6));
+#endif
 };
 
 // Asks for the lines of one cache row ahead of its use (the window is read from memory:
@@ -154,6 +211,7 @@ inline void prefetch_row(const C* row, int64_t d, int hint) {
 template <int G, typename C>
 void scores_tiled(const float* q, const C* const* rows, const C* const* vrows, int64_t len,
                   int64_t d, float* sc) {
+  using V = Vec::V;
   constexpr int P = Tile<G>::P;
   // NOTE: 8 positions ahead (K in L1, V in L2 for the second pass): 1.7-2.9x faster than
   // without, from memory; 4 and 16 measured the same within noise.
@@ -168,48 +226,49 @@ void scores_tiled(const float* q, const C* const* rows, const C* const* vrows, i
       prefetch_row(rows[i], d, 0);
       prefetch_row(vrows[i], d, 1);
     }
-    __m512 acc[G][P];
+    V acc[G][P];
     for (int j = 0; j < G; ++j)
-      for (int p = 0; p < P; ++p) acc[j][p] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      __m512 kv[P];
-      for (int p = 0; p < P; ++p) kv[p] = p < np ? load16(rows[c + p] + i) : _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) acc[j][p] = Vec::zero();
+    for (int64_t i = 0; i < d; i += Vec::W) {
+      V kv[P];
+      for (int p = 0; p < P; ++p) kv[p] = p < np ? Vec::load(rows[c + p] + i) : Vec::zero();
       for (int j = 0; j < G; ++j) {
-        const __m512 qq = _mm512_loadu_ps(q + j * d + i);
-        for (int p = 0; p < P; ++p) acc[j][p] = _mm512_fmadd_ps(qq, kv[p], acc[j][p]);
+        const V qq = Vec::loadf(q + j * d + i);
+        for (int p = 0; p < P; ++p) acc[j][p] = Vec::fmadd(qq, kv[p], acc[j][p]);
       }
     }
     for (int j = 0; j < G; ++j)
-      for (int p = 0; p < np; ++p) sc[j * len + c + p] = _mm512_reduce_add_ps(acc[j][p]);
+      for (int p = 0; p < np; ++p) sc[j * len + c + p] = Vec::sum(acc[j][p]);
   }
 }
 
 template <int G, typename C>
 void values_tiled(const float* sc, const C* const* rows, int64_t len, int64_t d, float* out) {
+  using V = Vec::V;
   constexpr int DC = Tile<G>::DC;
-  for (int64_t i0 = 0; i0 < d; i0 += 16 * DC) {
-    const int nc = static_cast<int>(std::min<int64_t>(DC, (d - i0) / 16));
-    __m512 acc[G][DC];
+  for (int64_t i0 = 0; i0 < d; i0 += Vec::W * DC) {
+    const int nc = static_cast<int>(std::min<int64_t>(DC, (d - i0) / Vec::W));
+    V acc[G][DC];
     for (int j = 0; j < G; ++j)
-      for (int k = 0; k < DC; ++k) acc[j][k] = _mm512_setzero_ps();
+      for (int k = 0; k < DC; ++k) acc[j][k] = Vec::zero();
     for (int64_t c = 0; c < len; ++c) {
       const C* v = rows[c] + i0;
-      __m512 vv[DC];
-      for (int k = 0; k < DC; ++k) vv[k] = k < nc ? load16(v + 16 * k) : _mm512_setzero_ps();
+      V vv[DC];
+      for (int k = 0; k < DC; ++k) vv[k] = k < nc ? Vec::load(v + Vec::W * k) : Vec::zero();
       for (int j = 0; j < G; ++j) {
-        const __m512 pj = _mm512_set1_ps(sc[j * len + c]);
-        for (int k = 0; k < DC; ++k) acc[j][k] = _mm512_fmadd_ps(pj, vv[k], acc[j][k]);
+        const V pj = Vec::set1(sc[j * len + c]);
+        for (int k = 0; k < DC; ++k) acc[j][k] = Vec::fmadd(pj, vv[k], acc[j][k]);
       }
     }
     for (int j = 0; j < G; ++j)
-      for (int k = 0; k < nc; ++k) _mm512_storeu_ps(out + j * d + i0 + 16 * k, acc[j][k]);
+      for (int k = 0; k < nc; ++k) Vec::store(out + j * d + i0 + Vec::W * k, acc[j][k]);
   }
 }
 
 template <typename C>
 bool scores_fast(int64_t g, const float* q, const C* const* rows, const C* const* vrows,
                  int64_t len, int64_t d, float* sc) {
-  if (d % 16 != 0) return false;
+  if (d % Vec::W != 0) return false;
   switch (g) {
     case 1: scores_tiled<1>(q, rows, vrows, len, d, sc); return true;
     case 2: scores_tiled<2>(q, rows, vrows, len, d, sc); return true;
@@ -222,7 +281,7 @@ bool scores_fast(int64_t g, const float* q, const C* const* rows, const C* const
 template <typename C>
 bool values_fast(int64_t g, const float* sc, const C* const* rows, int64_t len, int64_t d,
                  float* out) {
-  if (d % 16 != 0) return false;
+  if (d % Vec::W != 0) return false;
   switch (g) {
     case 1: values_tiled<1>(sc, rows, len, d, out); return true;
     case 2: values_tiled<2>(sc, rows, len, d, out); return true;
@@ -243,15 +302,15 @@ inline void softmax(float* sc, int64_t len, float softcap, float sink) {
   }
   float sum = std::isfinite(sink) ? std::exp(sink - top) : 0.f;
   int64_t c = 0;
-#if defined(__AVX512F__)
-  __m512 vsum = _mm512_setzero_ps();
-  const __m512 vtop = _mm512_set1_ps(top);
-  for (; c + 16 <= len; c += 16) {
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + c), vtop));
-    _mm512_storeu_ps(sc + c, e);
-    vsum = _mm512_add_ps(vsum, e);
+#if defined(RINGSERVE_ATTN_TILED)
+  Vec::V vsum = Vec::zero();
+  const Vec::V vtop = Vec::set1(top);
+  for (; c + Vec::W <= len; c += Vec::W) {
+    const Vec::V e = Vec::exp_nonpositive(Vec::sub(Vec::loadf(sc + c), vtop));
+    Vec::store(sc + c, e);
+    vsum = Vec::add(vsum, e);
   }
-  sum += _mm512_reduce_add_ps(vsum);
+  sum += Vec::sum(vsum);
 #endif
   for (; c < len; ++c) {
     sc[c] = std::exp(sc[c] - top);
@@ -304,7 +363,7 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
   acc.assign(static_cast<size_t>(g * d), 0.f);
   for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
   bool tiled = false;
-#if defined(__AVX512F__)
+#if defined(RINGSERVE_ATTN_TILED)
   tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
 #endif
   if (!tiled)
@@ -314,7 +373,7 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
             a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
   // the weighted sum of V, each row read once for all of the group's heads
   tiled = false;
-#if defined(__AVX512F__)
+#if defined(RINGSERVE_ATTN_TILED)
   tiled = values_fast(g, scores.data(), vr, n, d, acc.data());
 #endif
   if (!tiled)
