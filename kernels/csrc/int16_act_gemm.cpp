@@ -120,7 +120,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
+// NOTE: all R rows' block b is widened before any multiply, even for one x row, where the
+// AVX2 build then spills registers. A one-row variant that multiplied each weight row as it
+// loaded (no spills, the same sums bit for bit) ran 1.5x faster from cache but 1.1-1.3x
+// slower from memory, the head at 1 row included (both libraries in one process,
+// interleaved, 2026-12-04); a step reads its weights from memory, so the loads stay first.
 // The 32 values of block b of R weight rows, as int16 in two halves (values 0-15, 16-31),
 // dotted with block b of M x rows into acc, each half scaled by its weight group's scale
 // (slo, shi: equal unless the group is 16) and the block by the x block's scale.
