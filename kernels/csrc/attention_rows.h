@@ -112,7 +112,6 @@ inline void value_row(float* acc, const float* p, int64_t stride, const T* v, in
 // The tiled rows below, written once over a vector of W float32 lanes: AVX-512 (16) where
 // the build has it, else AVX2 + FMA (8). The AVX-512 build runs the same instructions as
 // before this was shared.
-#define RINGSERVE_ATTN_TILED 1
 #if defined(__AVX512F__)
 struct Vec {
   using V = __m512;
@@ -123,26 +122,17 @@ struct Vec {
   static V load(const C* p) { return ringserve::load16(p); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V round(V a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static V scale2n(V p, V n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  // exp(x) for x <= 0 (softmax after subtracting the max), relative error ~2e-7: a degree-6
-  // polynomial of the remainder after 2^n, scaled back with scalef.
-  static V exp_nonpositive(V x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp_poly(n, x), n);
-  }
-  static V exp_poly(V n, V x) {
-    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    V p = _mm512_set1_ps(1.f / 720);
-    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-      p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return p;
-  }
 };
 #else
 struct Vec {
@@ -154,31 +144,38 @@ struct Vec {
   static V load(const C* p) { return ringserve::load8(p); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static float sum(V v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V round(V a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  // The same polynomial as the AVX-512 build's; 2^n built in the exponent bits (AVX2 has
-  // no scalef): n >= -126 after the clamp, so 2^n is a normal float.
-  static V exp_nonpositive(V x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    V p = _mm256_set1_ps(1.f / 720);
-    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-      p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  // p * 2^n with 2^n built in the exponent bits (AVX2 has no scalef); n >= -126 after
+  // exp_nonpositive's clamp, so 2^n is a normal float
+  static V scale2n(V p, V n) {
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
+  static float sum(V v) { return ringserve::hsum(v); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
 #endif
+
+// exp(x) for x <= 0 (softmax after subtracting the max), relative error ~2e-7: a degree-6
+// polynomial of the remainder after 2^n, scaled back by 2^n.
+inline Vec::V exp_nonpositive(Vec::V x) {
+  x = Vec::max(x, Vec::set1(-87.0f));
+  const Vec::V n = Vec::round(Vec::mul(x, Vec::set1(1.44269504f)));
+  Vec::V r = Vec::fnmadd(n, Vec::set1(0.693145751953125f), x);
+  r = Vec::fnmadd(n, Vec::set1(1.428606765330187e-06f), r);
+  Vec::V p = Vec::set1(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = Vec::fmadd(p, r, Vec::set1(c));
+  return Vec::scale2n(p, n);
+}
 
 // The tiled path for groups of 1, 2, 4 or 8 query heads and d a multiple of W: G * P
 // score sums (G heads x P positions) stay in registers while each W-wide chunk of P key
@@ -302,11 +299,11 @@ inline void softmax(float* sc, int64_t len, float softcap, float sink) {
   }
   float sum = std::isfinite(sink) ? std::exp(sink - top) : 0.f;
   int64_t c = 0;
-#if defined(RINGSERVE_ATTN_TILED)
+#if defined(__AVX2__)
   Vec::V vsum = Vec::zero();
   const Vec::V vtop = Vec::set1(top);
   for (; c + Vec::W <= len; c += Vec::W) {
-    const Vec::V e = Vec::exp_nonpositive(Vec::sub(Vec::loadf(sc + c), vtop));
+    const Vec::V e = exp_nonpositive(Vec::sub(Vec::loadf(sc + c), vtop));
     Vec::store(sc + c, e);
     vsum = Vec::add(vsum, e);
   }
@@ -363,7 +360,7 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
   acc.assign(static_cast<size_t>(g * d), 0.f);
   for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
   bool tiled = false;
-#if defined(RINGSERVE_ATTN_TILED)
+#if defined(__AVX2__)
   tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
 #endif
   if (!tiled)
@@ -373,7 +370,7 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
             a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
   // the weighted sum of V, each row read once for all of the group's heads
   tiled = false;
-#if defined(RINGSERVE_ATTN_TILED)
+#if defined(__AVX2__)
   tiled = values_fast(g, scores.data(), vr, n, d, acc.data());
 #endif
   if (!tiled)

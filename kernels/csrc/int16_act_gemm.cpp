@@ -30,6 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "ops.h"
 #include "thread_pool.h"
 #include "quant_layout.h"
@@ -114,11 +115,7 @@ inline void widen_halves(const c10::Half* h, int64_t count, int64_t pad, float* 
 
 #if defined(__AVX2__)
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using ringserve::hsum;
 
 // NOTE: all R rows' block b is widened before any multiply, even for one x row, where the
 // AVX2 build then spills registers. A one-row variant that multiplied each weight row as it
