@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -97,6 +98,7 @@ Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, bool sum
 struct Weight {
   const uint8_t* data;  // row r at data + r * row_bytes
   int64_t row_bytes, k, group, groups, gpad;
+  int64_t sper;  // a row's scales as `widen_scales` lays them out: groups (16) or blocks
   const c10::Half* scales;  // [n, groups]
   const c10::Half* mins;    // [n, groups] (4-bit) or null
 };
@@ -111,6 +113,23 @@ inline void widen_halves(const c10::Half* h, int64_t count, int64_t pad, float* 
 #endif
   for (; g < count; ++g) out[g] = static_cast<float>(h[g]);
   for (; g < pad; ++g) out[g] = 0.f;
+}
+
+// A weight row's float16 scales as float32, one per 32-value block (one per 16-value group
+// where the group is 16), so that the block loops index them without a division.
+// NOTE: the loops had divided the value index by the run-time group, one 64-bit idiv per
+// row and block: the int8 head at one x row ran ~1.3x slower from cache for it.
+inline void widen_scales(const Weight& w, int64_t row, float* out) {
+  const c10::Half* h = w.scales + row * w.groups;
+  if (w.group <= kBlock) {
+    widen_halves(h, w.groups, w.groups, out);
+    return;
+  }
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    const float s = static_cast<float>(h[g]);
+    for (int64_t t = 0; t < per_group; ++t) out[b++] = s;
+  }
 }
 
 #if defined(__AVX2__)
@@ -160,19 +179,29 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
                      int64_t blocks, int64_t r, int64_t n, const float* bias, float* sf,
                      float* mf, float* out) {
   const int64_t k = w.k;
-  // NOTE: the rows two calls ahead are fetched now: the hardware prefetcher alone streamed
+  // NOTE: the rows a few calls ahead are fetched now: the hardware prefetcher alone streamed
   // gemma's head at ~20 GB/s of the machine's 36 (measured: the same rows from cache ran
-  // twice as fast). Prefetches never fault; the range stops at the weight's end.
-  const int64_t ahead = std::min(r + 2 * R, n);
+  // twice as fast). For one x row, int8 rows go to L2, four calls ahead: fetched into L1 two
+  // calls ahead (as before 2026-12-04) the int8 head at one x row ran at 19-21 GB/s, into
+  // L2 at 24-25 against a torch sum's 27-29 in the same process (Zen 4, AVX2 build,
+  // interleaved). The same change made 3 x rows 1.3x slower, and 4-bit rows, whose
+  // widening costs more than their read, ~5% slower: those keep L1, two calls ahead.
+  // Prefetches never fault; the range stops at the weight's end.
+  constexpr bool kToL2 = BITS == 8 && M == 1;
+  constexpr int kPasses = kToL2 ? 4 : 2;
+  constexpr int kHint = kToL2 ? _MM_HINT_T1 : _MM_HINT_T0;
+  const int64_t ahead = std::min(r + kPasses * R, n);
   const int64_t ahead_rows = std::min<int64_t>(R, n - ahead);
   const char* wp = reinterpret_cast<const char*>(w.data + ahead * w.row_bytes);
-  for (int64_t o = 0; o < ahead_rows * w.row_bytes; o += 64) _mm_prefetch(wp + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < ahead_rows * w.row_bytes; o += 64)
+    _mm_prefetch(wp + o, static_cast<_mm_hint>(kHint));
   const char* sp = reinterpret_cast<const char*>(w.scales + ahead * w.groups);
-  for (int64_t o = 0; o < ahead_rows * w.groups * 2; o += 64) _mm_prefetch(sp + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < ahead_rows * w.groups * 2; o += 64)
+    _mm_prefetch(sp + o, static_cast<_mm_hint>(kHint));
   const uint8_t* rows[R];
   for (int i = 0; i < R; ++i) {
     rows[i] = w.data + (r + i) * w.row_bytes;
-    widen_halves(w.scales + (r + i) * w.groups, w.groups, w.groups, sf + i * w.groups);
+    widen_scales(w, r + i, sf + i * w.sper);
     if constexpr (BITS == 4)
       widen_halves(w.mins + (r + i) * w.groups, w.groups, w.gpad, mf + i * w.gpad);
   }
@@ -197,24 +226,32 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
         hi[i] = _mm256_and_si256(c, nibble);
         lo1[i] = _mm256_srli_epi16(a, 4);
         hi1[i] = _mm256_srli_epi16(c, 4);
-        slo[i] = _mm256_set1_ps(sf[i * w.groups + j / w.group]);
-        s1[i] = _mm256_set1_ps(sf[i * w.groups + (j + kBlock) / w.group]);
+        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
+        s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
       }
       mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
       mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
     }
   } else {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t j = b * kBlock;
-      for (int i = 0; i < R; ++i) {
-        lo[i] = load16_epi16(rows[i] + j, true);
-        hi[i] = load16_epi16(rows[i] + j + 16, true);
-        const float* s = sf + i * w.groups;
-        slo[i] = _mm256_set1_ps(g16 ? s[2 * b] : s[j / w.group]);
-        shi[i] = g16 ? _mm256_set1_ps(s[2 * b + 1]) : slo[i];
+    // One loop for each group size, so that neither tests the group in its body.
+    const auto blocks_of = [&](auto sixteen) {
+      constexpr bool G16 = decltype(sixteen)::value;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j = b * kBlock;
+        for (int i = 0; i < R; ++i) {
+          lo[i] = load16_epi16(rows[i] + j, true);
+          hi[i] = load16_epi16(rows[i] + j + 16, true);
+          const float* s = sf + i * w.sper;
+          slo[i] = _mm256_set1_ps(G16 ? s[2 * b] : s[b]);
+          shi[i] = G16 ? _mm256_set1_ps(s[2 * b + 1]) : slo[i];
+        }
+        mul_block<M, R>(lo, hi, slo, shi, G16, xq, xd, k, blocks, b, acc);
       }
-      mul_block<M, R>(lo, hi, slo, shi, g16, xq, xd, k, blocks, b, acc);
-    }
+    };
+    if (g16)
+      blocks_of(std::true_type{});
+    else
+      blocks_of(std::false_type{});
   }
   if constexpr (BITS == 4)
     for (int64_t g = 0; g < w.gpad; g += 8)
@@ -238,7 +275,7 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   const int64_t k = w.k;
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = w.data + (r + i) * w.row_bytes;
-    widen_halves(w.scales + (r + i) * w.groups, w.groups, w.groups, sf);
+    widen_scales(w, r + i, sf);
     if constexpr (BITS == 4) widen_halves(w.mins + (r + i) * w.groups, w.groups, w.gpad, mf);
     for (int m = 0; m < M; ++m) {
       float acc = 0.f;
@@ -253,7 +290,7 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
                 : static_cast<int8_t>(row[j]);
             dot += wq * xq[m * k + j];
           }
-          part += static_cast<float>(dot) * sf[g];
+          part += static_cast<float>(dot) * sf[w.group == 16 ? g : b];
           j0 = j1;
         }
         acc += part * xd[m * blocks + b];
@@ -290,7 +327,7 @@ void run(const Weight& w, const Acts& a, int64_t rows, int64_t n, const float* b
   // NOTE: 16 weight rows a task at least; blocks of 64 weight rows (20-40 KiB for k = 640)
   // stay in cache across the passes of kMaxRows x rows.
   ringserve::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sf(static_cast<size_t>(4 * w.groups + 8)), mf(4 * w.gpad + 8);
+    std::vector<float> sf(static_cast<size_t>(4 * w.sper + 8)), mf(4 * w.gpad + 8);
     for (int64_t b0 = begin; b0 < end; b0 += 64) {
       const int64_t b1 = std::min(end, b0 + 64);
       for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows)
@@ -327,6 +364,7 @@ at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
   w.k = k;
   w.group = group;
   w.groups = k / group;
+  w.sper = group == 16 ? w.groups : k / kBlock;
   w.gpad = a.gpad;
   w.scales = scales.data_ptr<c10::Half>();
   w.mins = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
