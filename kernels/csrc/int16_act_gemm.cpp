@@ -181,13 +181,13 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   const int64_t k = w.k;
   // NOTE: the rows a few calls ahead are fetched now: the hardware prefetcher alone streamed
   // gemma's head at ~20 GB/s of the machine's 36 (measured: the same rows from cache ran
-  // twice as fast). For one x row, int8 rows go to L2, four calls ahead: fetched into L1 two
-  // calls ahead (as before 2026-12-04) the int8 head at one x row ran at 19-21 GB/s, into
-  // L2 at 24-25 against a torch sum's 27-29 in the same process (Zen 4, AVX2 build,
-  // interleaved). The same change made 3 x rows 1.3x slower, and 4-bit rows, whose
-  // widening costs more than their read, ~5% slower: those keep L1, two calls ahead.
+  // twice as fast). For one x row they go to L2, four calls ahead: fetched into L1 two calls
+  // ahead (as before 2026-12-04) the int8 head at one x row ran at 19-21 GB/s, into L2 at
+  // 24-25 against a torch sum's 27-29 in the same process; a step's small 4-bit matrices
+  // (o_proj 640 x 1024, half of down 640 x 2048) went from 7.5-8 to 10-11 GB/s (Zen 4, AVX2
+  // build, interleaved). The same change made 3 x rows 1.3x slower: those keep L1.
   // Prefetches never fault; the range stops at the weight's end.
-  constexpr bool kToL2 = BITS == 8 && M == 1;
+  constexpr bool kToL2 = M == 1;
   constexpr int kPasses = kToL2 ? 4 : 2;
   constexpr int kHint = kToL2 ? _MM_HINT_T1 : _MM_HINT_T0;
   const int64_t ahead = std::min(r + kPasses * R, n);
