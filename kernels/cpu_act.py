@@ -1,16 +1,19 @@
 """A gated MLP's ``gelu(gate, approximate="tanh") * up`` in one compiled pass on bf16 CPU
-rows (`csrc/act_mul.cpp`): torch's own GELU code on ATen's vectors, rounded as torch's two
-ops round, so the bits are those of the two torch calls it replaces.
+rows (`csrc/act_mul.cpp`): the GELU is looked up in a table of torch's own results for all
+65,536 bf16 values (made here once a process, by torch on this CPU), the product rounded as
+torch's mul rounds it, so the bits are those of the two torch calls it replaces, on every
+kernel variant.
 
-That holds where the build's vectors are the ones torch dispatches to; rather than trust
-it, the first call per kernel variant compares the op with torch on every bf16 value of
-``gate`` (65,536 values, once) and uses it only if every bit agrees (logged either way).
+Rather than trust the rounding, the first call per kernel variant compares the op with
+torch on every bf16 value of ``gate`` (once) and uses it only if every bit agrees (logged
+either way).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +27,25 @@ logger = logging.getLogger(__name__)
 # rest of a row through its scalar formula (std::tanh, other bits): rows whose length 64
 # divides are vectors only, in torch and here alike
 _VECTOR = 64
-_ops: dict[str, Any] = {}  # variant -> its op, or None where it is not used
+# variant -> the op over the table, or None where it is not used
+_ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {}
+
+
+@functools.cache
+def table() -> torch.Tensor:
+    """torch's ``gelu(x, approximate="tanh")`` of every bf16 value x, at x's bits: [65536]
+    bf16. Rows of 1024 values, so that torch takes its vector path for each of them."""
+    every = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return F.gelu(every.reshape(64, 1024), approximate="tanh").reshape(-1).contiguous()
+
+
+def _bound(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    op, lut = ops(variant).gelu_tanh_mul, table()
+
+    def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = op(gate, up, lut)
+        return out
+    return gelu_tanh_mul
 
 
 def _agrees(variant: str) -> bool:
@@ -32,21 +53,18 @@ def _agrees(variant: str) -> bool:
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     gate = gate.view(torch.bfloat16).reshape(64, 1024)
     up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    try:
-        got = ops(variant).gelu_tanh_mul(gate, up)
-    except RuntimeError:  # the portable build has no body
-        return False
+    got = _bound(variant)(gate, up)
     want = F.gelu(gate, approximate="tanh") * up
     return bool(((got == want) | (got.isnan() & want.isnan())).all())
 
 
-def _op() -> Any:
+def _op() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """This CPU's build of the op where it is used (built, and torch's bits on every
     value), else None."""
     variant = cpu_isa.info().variant
     if variant not in _ops:
         ok = available(variant) and _agrees(variant)
-        _ops[variant] = ops(variant).gelu_tanh_mul if ok else None
+        _ops[variant] = _bound(variant) if ok else None
         logger.info("gelu(gate) * up: %s", "one compiled pass (every bf16 value as torch's)"
                     if ok else "torch's two ops (no compiled pass, or it differs from torch)")
     return _ops[variant]
@@ -65,5 +83,4 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     op = _op()
     if op is None or up.dtype != torch.bfloat16 or gate.stride(1) != 1 or up.stride(1) != 1:
         return None
-    out: torch.Tensor = op(gate, up)
-    return out
+    return op(gate, up)

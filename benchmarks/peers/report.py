@@ -148,4 +148,9 @@ def write(data: dict[str, Any], prefix: Path) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(data))
+    try:
+        import matplotlib  # noqa: F401 (only to know whether the plot can be drawn)
+    except ImportError:  # `make bench-peers` installs it; `python benchmarks/peers/run.py` may not
+        print(f"no plot: matplotlib is not installed (the table is {prefix.with_suffix('.md')})")
+        return
     plot(data, prefix.with_suffix(".png"))
