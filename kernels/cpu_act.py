@@ -31,12 +31,18 @@ _VECTOR = 64
 _ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {}
 
 
+def _every_bf16() -> torch.Tensor:
+    """Every bf16 value, the one with bits b at flat index b, in rows of 1024 (a length
+    torch runs through its vectors only)."""
+    every = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return every.reshape(64, 1024)
+
+
 @functools.cache
 def table() -> torch.Tensor:
     """torch's ``gelu(x, approximate="tanh")`` of every bf16 value x, at x's bits: [65536]
-    bf16. Rows of 1024 values, so that torch takes its vector path for each of them."""
-    every = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    return F.gelu(every.reshape(64, 1024), approximate="tanh").reshape(-1).contiguous()
+    bf16."""
+    return F.gelu(_every_bf16(), approximate="tanh").reshape(-1).contiguous()
 
 
 def _bound(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -50,8 +56,7 @@ def _bound(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _agrees(variant: str) -> bool:
     """Whether the op equals torch's gelu-then-mul on every bf16 value of gate."""
-    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    gate = gate.view(torch.bfloat16).reshape(64, 1024)
+    gate = _every_bf16()
     up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got = _bound(variant)(gate, up)
     want = F.gelu(gate, approximate="tanh") * up
