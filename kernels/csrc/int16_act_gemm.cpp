@@ -189,15 +189,20 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   // Prefetches never fault; the range stops at the weight's end.
   constexpr bool kToL2 = M == 1;
   constexpr int kPasses = kToL2 ? 4 : 2;
-  constexpr int kHint = kToL2 ? _MM_HINT_T1 : _MM_HINT_T0;
+  // NOTE: the hint spelled out in each branch: _mm_prefetch wants a literal (a macro in
+  // clang's headers, where there is no _mm_hint type to cast to).
+  const auto fetch = [](const char* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+      if constexpr (kToL2)
+        _mm_prefetch(p + o, _MM_HINT_T1);
+      else
+        _mm_prefetch(p + o, _MM_HINT_T0);
+    }
+  };
   const int64_t ahead = std::min(r + kPasses * R, n);
   const int64_t ahead_rows = std::min<int64_t>(R, n - ahead);
-  const char* wp = reinterpret_cast<const char*>(w.data + ahead * w.row_bytes);
-  for (int64_t o = 0; o < ahead_rows * w.row_bytes; o += 64)
-    _mm_prefetch(wp + o, static_cast<_mm_hint>(kHint));
-  const char* sp = reinterpret_cast<const char*>(w.scales + ahead * w.groups);
-  for (int64_t o = 0; o < ahead_rows * w.groups * 2; o += 64)
-    _mm_prefetch(sp + o, static_cast<_mm_hint>(kHint));
+  fetch(reinterpret_cast<const char*>(w.data + ahead * w.row_bytes), ahead_rows * w.row_bytes);
+  fetch(reinterpret_cast<const char*>(w.scales + ahead * w.groups), ahead_rows * w.groups * 2);
   const uint8_t* rows[R];
   for (int i = 0; i < R; ++i) {
     rows[i] = w.data + (r + i) * w.row_bytes;
