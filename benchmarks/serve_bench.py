@@ -30,6 +30,8 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    status: int = 0  # the HTTP status, once a response began
+    retried: int = 0  # sent again after the server closed a reused connection unanswered
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str | None,
@@ -39,10 +41,26 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str | None,
             "temperature": temperature, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
+    retried = 0
+    while True:
+        res = await _one_attempt(client, url, body)
+        res.retried = retried
+        # NOTE: a keep-alive connection the server closed as we reused it fails before any
+        # response ("Server disconnected without sending a response"): the server never saw
+        # the request (llama-server's log has no task for it), so it is sent once more on a
+        # fresh connection, as urllib3 and browsers do, instead of counting as a failure.
+        if res.ok or retried or res.status or not res.error.startswith("RemoteProtocolError"):
+            return res
+        retried = 1
+
+
+async def _one_attempt(client: httpx.AsyncClient, url: str, body: dict[str, object]
+                       ) -> Result:
     res = Result()
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -99,6 +117,9 @@ def report(results: list[Result], duration: float, input_len: int) -> None:
         print(line.format(f"Median {name} (ms):", f"{median:.2f}"))
         print(line.format(f"P99 {name} (ms):", f"{p99:.2f}"))
     print("=" * 50)
+    retried = sum(1 for r in results if r.retried)
+    if retried:
+        print(f"resent on a fresh connection (the server closed a reused one): {retried}")
     for r in results:
         if not r.ok:
             print("error:", r.error)
