@@ -73,6 +73,32 @@ def test_long_ragged_decode_batch_matches_reference(cpu_variant: str,
     assert_close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize(("kv_heads", "extra"), [
+    (1, {}), (1, {"softcap": 2.0}), (1, {"sinks": True}), (2, {"window": None, "ring": False}),
+], ids=["gemma", "softcap", "sinks", "2kv-full"])
+def test_one_row_split_over_threads_matches_dense(cpu_variant: str, threads: int,
+                                                  kv_heads: int, extra: dict) -> None:
+    """Fewer (sequence, kv head) items than threads: each window is split into parts, one a
+    thread, whose partial softmax sums are merged (paged_decode.cpp). One decode row at a
+    time, windows of 65-513 columns (parts of 64 or more), each against float64."""
+    kwargs: dict = {"window": 512, **extra}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, (ctx, dtype) in enumerate([(64, torch.float32), (127, torch.bfloat16),
+                                          (300, torch.float32), (700, torch.bfloat16),
+                                          (1300, torch.float32)]):
+            case = make_case([(ctx, 1)], num_heads=4, num_kv_heads=kv_heads, head_dim=256,
+                             block_size=16, dtype=dtype, seed=40 + i, **kwargs)
+            out = torch.full_like(case.query, float("nan"))
+            got = kernels.paged_attention(*case.tensors(), **case.kwargs(), backend="cpu",
+                                          out=out)
+            assert_close(got, dense_attention(case), dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [512, 40, None], ids=["w512", "w40", "full"])
 def test_long_prefill_chunks_match_dense(cpu_variant: str, dtype: torch.dtype,

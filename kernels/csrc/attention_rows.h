@@ -30,6 +30,9 @@ namespace RINGSERVE_NS {  // this variant's library's own copy (built with its f
 
 using ringserve::to_f;
 
+// The most parts one row's window is split into (`attend_part`, paged_decode.cpp).
+constexpr int64_t kMaxParts = 16;
+
 // Scores of `g` query heads (rows of q, each d floats) against one key row: out[j] = q_j . k.
 template <typename T>
 inline void dots(const float* q, const T* k, int64_t g, int64_t d, float* out, int64_t stride) {
@@ -289,15 +292,19 @@ bool values_fast(int64_t g, const float* sc, const C* const* rows, int64_t len, 
 }
 #endif
 
-// In place: softmax of one row of scores (after the optional soft-cap), with an attention
-// sink: the logit `sink` (-inf: none) joins the denominator and takes no value row.
-inline void softmax(float* sc, int64_t len, float softcap, float sink) {
-  float top = sink;
+// In place: the soft cap (if any) on one row of scores; returns their largest, or `floor`
+// where that is larger.
+inline float capped_max(float* sc, int64_t len, float softcap, float floor) {
+  float top = floor;
   for (int64_t c = 0; c < len; ++c) {
     if (softcap > 0.f) sc[c] = softcap * std::tanh(sc[c] / softcap);
     top = std::max(top, sc[c]);
   }
-  float sum = std::isfinite(sink) ? std::exp(sink - top) : 0.f;
+  return top;
+}
+
+// In place: sc[c] = exp(sc[c] - top) (top at least every sc[c]); returns `sum` plus them.
+inline float exp_shifted(float* sc, int64_t len, float top, float sum) {
   int64_t c = 0;
 #if defined(__AVX2__)
   Vec::V vsum = Vec::zero();
@@ -313,6 +320,14 @@ inline void softmax(float* sc, int64_t len, float softcap, float sink) {
     sc[c] = std::exp(sc[c] - top);
     sum += sc[c];
   }
+  return sum;
+}
+
+// In place: softmax of one row of scores (after the optional soft-cap), with an attention
+// sink: the logit `sink` (-inf: none) joins the denominator and takes no value row.
+inline void softmax(float* sc, int64_t len, float softcap, float sink) {
+  const float top = capped_max(sc, len, softcap, sink);
+  const float sum = exp_shifted(sc, len, top, std::isfinite(sink) ? std::exp(sink - top) : 0.f);
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < len; ++i) sc[i] *= inv;
 }
@@ -376,6 +391,66 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
   if (!tiled)
     for (int64_t c = 0; c < n; ++c) value_row(acc.data(), &scores[c], n, vr[c], g, d);
   for (int64_t i = 0; i < g * d; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+// One part of a row's window (docs/design.md §5, "one row on many threads"): n of its K/V
+// rows attended by the group's g heads, left unnormalised: per head j, top[j] = the largest
+// (soft-capped) score, sum[j] = sum of exp(score - top[j]), acc[j * d ..] = the sum of
+// exp(score - top[j]) * V. `merge_parts` combines the parts.
+template <typename T, typename C>
+inline void attend_part(const Args& a, const T* q, const C* const* kr, const C* const* vr,
+                        int64_t n, float* top, float* sum, float* acc,
+                        std::vector<float>& scores, std::vector<float>& qbuf) {
+  const int64_t d = a.d, g = a.group;
+  scores.resize(static_cast<size_t>(g * n));
+  qbuf.resize(static_cast<size_t>(g * d));
+  std::fill(acc, acc + g * d, 0.f);
+  for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
+  bool tiled = false;
+#if defined(__AVX2__)
+  tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) score_row(qbuf.data(), kr[c], g, d, &scores[c], n);
+  for (int64_t j = 0; j < g; ++j) {
+    float* sc = &scores[j * n];
+    top[j] = capped_max(sc, n, a.softcap, -std::numeric_limits<float>::infinity());
+    sum[j] = exp_shifted(sc, n, top[j], 0.f);
+  }
+  tiled = false;
+#if defined(__AVX2__)
+  tiled = values_fast(g, scores.data(), vr, n, d, acc);
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) value_row(acc, &scores[c], n, vr[c], g, d);
+}
+
+// The softmax-weighted sum of V for head group h from `parts` parts of its window
+// (`attend_part`'s tops / sums [part][g], accs [part][g][d]), each rescaled to the largest
+// score of all, with head h's sinks in the denominator; written to out[j * d ..].
+template <typename T>
+inline void merge_parts(const Args& a, int64_t h, int64_t parts, const float* tops,
+                        const float* sums, const float* accs, T* out) {
+  const int64_t d = a.d, g = a.group;
+  for (int64_t j = 0; j < g; ++j) {
+    const float sink =
+        a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity();
+    float top = sink;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, tops[p * g + j]);
+    float total = std::isfinite(sink) ? std::exp(sink - top) : 0.f;
+    float w[kMaxParts];
+    for (int64_t p = 0; p < parts; ++p) {
+      w[p] = std::exp(tops[p * g + j] - top);
+      total += w[p] * sums[p * g + j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t p = 0; p < parts; ++p) w[p] *= inv;
+    for (int64_t i = 0; i < d; ++i) {
+      float v = 0.f;
+      for (int64_t p = 0; p < parts; ++p) v += w[p] * accs[(p * g + j) * d + i];
+      out[j * d + i] = static_cast<T>(v);
+    }
+  }
 }
 
 // The checks both ops make of their common arguments, and their Args; `op` names the op

@@ -6,7 +6,8 @@
 // once (asked for ahead of its use), widened to float32 in registers; nothing is copied out
 // of the cache. Two passes per (sequence, kv head): scores for the group's query heads,
 // then the softmax-weighted sum of V. Work is split over (sequence, kv head) pairs
-// (thread_pool.h).
+// (thread_pool.h); where there are fewer pairs than threads (one row, one kv head), each
+// pair's window is split into parts whose partial sums are merged (`attend_part`).
 
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
@@ -34,21 +35,19 @@ namespace {
 using ringserve::to_f;
 using namespace ringserve::RINGSERVE_NS;
 
-// Attention of sequence `s`, kv head `h`: query heads h * group .. (h + 1) * group. T is
-// the activations' type, C the cache's (bf16 under float32 activations with
-// kv_cache_dtype=bfloat16); the fresh K/V row is rounded to C first, as the cache will hold
-// it, so a token attends to itself as later tokens will see it.
+// The rows sequence `s`, kv head `h` attends to: its cached window, found in the ring, then
+// its fresh K/V row (the last column). T is the activations' type, C the cache's (bf16
+// under float32 activations with kv_cache_dtype=bfloat16); the fresh row is rounded to C
+// first, as the cache will hold it, so a token attends to itself as later tokens will see
+// it. Returns the column count.
 template <typename T, typename C>
-void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* key,
-                const T* value, const C* key_cache, const C* value_cache,
-                const int32_t* tables, int64_t token, int64_t ctx, T* out,
-                std::vector<float>& scores, std::vector<float>& qbuf,
-                std::vector<float>& acc, std::vector<C>& fresh,
-                std::vector<const C*>& krows, std::vector<const C*>& vrows) {
-  const int64_t d = a.d, g = a.group;
+int64_t window_rows(const Args& a, int64_t s, int64_t h, const T* key, const T* value,
+                    const C* key_cache, const C* value_cache, const int32_t* tables,
+                    int64_t token, int64_t ctx, std::vector<C>& fresh,
+                    std::vector<const C*>& krows, std::vector<const C*>& vrows) {
+  const int64_t d = a.d;
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
   const int64_t len = ctx - lo + 1;  // cached window + the fresh key
-  // The fresh K and V rows in the cache's type.
   fresh.resize(static_cast<size_t>(2 * d));
   const T* fk = key + (token * a.kv_heads + h) * d;
   const T* fv = value + (token * a.kv_heads + h) * d;
@@ -56,17 +55,40 @@ void decode_one(const Args& a, int64_t s, int64_t h, const T* query, const T* ke
     fresh[i] = ringserve::from_f<C>(to_f(fk[i]));
     fresh[d + i] = ringserve::from_f<C>(to_f(fv[i]));
   }
-  // Column c is position lo + c, its rows found block by block (one table look-up a
-  // block); the last column is the fresh row.
+  // Column c is position lo + c, its rows found block by block (one table look-up a block).
   krows.resize(static_cast<size_t>(len));
   vrows.resize(static_cast<size_t>(len));
   ring_rows(a, tables + s * a.table_width, h, lo, ctx, key_cache, value_cache, krows.data(),
             vrows.data());
   krows[len - 1] = fresh.data();
   vrows[len - 1] = fresh.data() + d;
-  const int64_t first = (token * a.kv_heads * g + h * g) * d;  // the group's first head
-  attend_row(a, h, query + first, krows.data(), vrows.data(), len, out + first, scores, qbuf,
-             acc);
+  return len;
+}
+
+// Per thread: what one (sequence, kv head) item needs besides its arguments.
+template <typename C>
+struct Scratch {
+  std::vector<float> scores, qbuf, acc;
+  std::vector<C> fresh;
+  std::vector<const C*> krows, vrows;
+};
+
+// NOTE: a part of at least this many window columns: below it, splitting one row's window
+// over threads saves less than merging the parts costs.
+constexpr int64_t kMinPart = 64;
+
+// How many parts each (sequence, kv head) item's window is split into: 1 unless there are
+// fewer items than threads (one decode row with few kv heads: one thread would do all the
+// work while the others wait) and every window has kMinPart columns a part.
+int64_t parts_of(const Args& a, int64_t items, const int64_t* ctx, int64_t n) {
+  const int64_t threads = at::get_num_threads();
+  if (items == 0 || items >= threads) return 1;
+  int64_t shortest = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx[i] - a.window + 1) : 0;
+    shortest = std::min(shortest, ctx[i] - lo + 1);
+  }
+  return std::clamp<int64_t>(std::min(threads / items, shortest / kMinPart), 1, kMaxParts);
 }
 
 template <typename T, typename C>
@@ -85,16 +107,43 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
   const C* vc = value_cache.data_ptr<C>();
   const int32_t* tb = tables.data_ptr<int32_t>();
   T* o = out.data_ptr<T>();
-  ringserve::parallel_for(0, n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qbuf, acc;
-    std::vector<C> fresh;
-    std::vector<const C*> krows, vrows;
-    for (int64_t w = begin; w < end; ++w) {
+  const int64_t items = n * a.kv_heads, g = a.group, d = a.d;
+  const auto first = [&](int64_t i, int64_t h) { return (tok[i] * a.kv_heads * g + h * g) * d; };
+  const int64_t parts = parts_of(a, items, ctx, n);
+  if (parts == 1) {
+    ringserve::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      Scratch<C> t;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
+        const int64_t len = window_rows<T, C>(a, seq[i], h, k, v, kc, vc, tb, tok[i], ctx[i],
+                                              t.fresh, t.krows, t.vrows);
+        attend_row(a, h, q + first(i, h), t.krows.data(), t.vrows.data(), len, o + first(i, h),
+                   t.scores, t.qbuf, t.acc);
+      }
+    });
+    return;
+  }
+  // One row's window over several threads: each part's unnormalised sums, then one merge
+  // an item (the softmax's rescaling of partial sums).
+  std::vector<float> tops(static_cast<size_t>(items * parts * g));
+  std::vector<float> sums(tops.size()), accs(tops.size() * static_cast<size_t>(d));
+  ringserve::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch<C> t;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t w = u / parts, part = u % parts;
       const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
-      decode_one<T, C>(a, seq[i], h, q, k, v, kc, vc, tb, tok[i], ctx[i], o, scores, qbuf,
-                       acc, fresh, krows, vrows);
+      const int64_t len = window_rows<T, C>(a, seq[i], h, k, v, kc, vc, tb, tok[i], ctx[i],
+                                            t.fresh, t.krows, t.vrows);
+      const int64_t c0 = len * part / parts, c1 = len * (part + 1) / parts;
+      attend_part(a, q + first(i, h), t.krows.data() + c0, t.vrows.data() + c0, c1 - c0,
+                  &tops[u * g], &sums[u * g], &accs[u * g * d], t.scores, t.qbuf);
     }
   });
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
+    merge_parts(a, h, parts, &tops[w * parts * g], &sums[w * parts * g],
+                &accs[w * parts * g * d], o + first(i, h));
+  }
 }
 
 // Writes out[tokens[i]] for each decode row i; other rows of `out` are left untouched.
