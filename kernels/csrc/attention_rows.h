@@ -362,6 +362,46 @@ inline void ring_rows(const Args& a, const int32_t* table, int64_t h, int64_t lo
   }
 }
 
+// Per thread: what one work item of the attention kernels needs besides its arguments.
+template <typename C>
+struct Scratch {
+  std::vector<float> scores, qbuf, acc;
+  std::vector<C> fresh;
+  std::vector<const C*> krows, vrows;
+};
+
+// The scores of one query token's group of g heads (rows q[j * d ..], scaled by a.scale)
+// against n K rows kr: scores[j * n + c]. vr: the V rows, asked for while K is read.
+template <typename T, typename C>
+inline void score_group(const Args& a, const T* q, const C* const* kr, const C* const* vr,
+                        int64_t n, std::vector<float>& scores, std::vector<float>& qbuf) {
+  const int64_t d = a.d, g = a.group;
+  scores.resize(static_cast<size_t>(g * n));
+  qbuf.resize(static_cast<size_t>(g * d));
+  for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
+  bool tiled = false;
+#if defined(__AVX2__)
+  tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) score_row(qbuf.data(), kr[c], g, d, &scores[c], n);
+}
+
+// acc[j * d ..] (zeroed first) = the sum over c of weights[j * n + c] * V row c: each row
+// read once for all of the group's heads.
+template <typename C>
+inline void weigh_values(const Args& a, const float* weights, const C* const* vr, int64_t n,
+                         float* acc) {
+  const int64_t d = a.d, g = a.group;
+  std::fill(acc, acc + g * d, 0.f);
+  bool tiled = false;
+#if defined(__AVX2__)
+  tiled = values_fast(g, weights, vr, n, d, acc);
+#endif
+  if (!tiled)
+    for (int64_t c = 0; c < n; ++c) value_row(acc, &weights[c], n, vr[c], g, d);
+}
+
 // Attention of one query token's group of g heads (rows q[j * d ..], scaled by a.scale)
 // over n K/V rows kr / vr: scores, softmax with the soft cap and head h's sinks, the
 // weighted sum of V, written to out[j * d ..]. scores, qbuf and acc: the caller's scratch.
@@ -370,26 +410,12 @@ inline void attend_row(const Args& a, int64_t h, const T* q, const C* const* kr,
                        const C* const* vr, int64_t n, T* out, std::vector<float>& scores,
                        std::vector<float>& qbuf, std::vector<float>& acc) {
   const int64_t d = a.d, g = a.group;
-  scores.resize(static_cast<size_t>(g * n));
-  qbuf.resize(static_cast<size_t>(g * d));
-  acc.assign(static_cast<size_t>(g * d), 0.f);
-  for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
-  bool tiled = false;
-#if defined(__AVX2__)
-  tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < n; ++c) score_row(qbuf.data(), kr[c], g, d, &scores[c], n);
+  score_group(a, q, kr, vr, n, scores, qbuf);
   for (int64_t j = 0; j < g; ++j)
     softmax(&scores[j * n], n, a.softcap,
             a.sinks != nullptr ? a.sinks[h * g + j] : -std::numeric_limits<float>::infinity());
-  // the weighted sum of V, each row read once for all of the group's heads
-  tiled = false;
-#if defined(__AVX2__)
-  tiled = values_fast(g, scores.data(), vr, n, d, acc.data());
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < n; ++c) value_row(acc.data(), &scores[c], n, vr[c], g, d);
+  acc.resize(static_cast<size_t>(g * d));
+  weigh_values(a, scores.data(), vr, n, acc.data());
   for (int64_t i = 0; i < g * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
@@ -401,28 +427,13 @@ template <typename T, typename C>
 inline void attend_part(const Args& a, const T* q, const C* const* kr, const C* const* vr,
                         int64_t n, float* top, float* sum, float* acc,
                         std::vector<float>& scores, std::vector<float>& qbuf) {
-  const int64_t d = a.d, g = a.group;
-  scores.resize(static_cast<size_t>(g * n));
-  qbuf.resize(static_cast<size_t>(g * d));
-  std::fill(acc, acc + g * d, 0.f);
-  for (int64_t i = 0; i < g * d; ++i) qbuf[i] = to_f(q[i]) * a.scale;
-  bool tiled = false;
-#if defined(__AVX2__)
-  tiled = scores_fast(g, qbuf.data(), kr, vr, n, d, scores.data());
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < n; ++c) score_row(qbuf.data(), kr[c], g, d, &scores[c], n);
-  for (int64_t j = 0; j < g; ++j) {
+  score_group(a, q, kr, vr, n, scores, qbuf);
+  for (int64_t j = 0; j < a.group; ++j) {
     float* sc = &scores[j * n];
     top[j] = capped_max(sc, n, a.softcap, -std::numeric_limits<float>::infinity());
     sum[j] = exp_shifted(sc, n, top[j], 0.f);
   }
-  tiled = false;
-#if defined(__AVX2__)
-  tiled = values_fast(g, scores.data(), vr, n, d, acc);
-#endif
-  if (!tiled)
-    for (int64_t c = 0; c < n; ++c) value_row(acc, &scores[c], n, vr[c], g, d);
+  weigh_values(a, scores.data(), vr, n, acc);
 }
 
 // The softmax-weighted sum of V for head group h from `parts` parts of its window

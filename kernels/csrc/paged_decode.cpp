@@ -65,13 +65,6 @@ int64_t window_rows(const Args& a, int64_t s, int64_t h, const T* key, const T* 
   return len;
 }
 
-// Per thread: what one (sequence, kv head) item needs besides its arguments.
-template <typename C>
-struct Scratch {
-  std::vector<float> scores, qbuf, acc;
-  std::vector<C> fresh;
-  std::vector<const C*> krows, vrows;
-};
 
 // NOTE: a part of at least this many window columns: below it, splitting one row's window
 // over threads saves less than merging the parts costs.

@@ -64,12 +64,6 @@ std::vector<Item> items(const std::vector<Row>& rows, int64_t kv_heads) {
   return out;
 }
 
-template <typename C>
-struct Scratch {
-  std::vector<float> scores, qbuf, acc;
-  std::vector<C> fresh;
-  std::vector<const C*> krows, vrows;
-};
 
 // The item's query tokens. T is the activations' type, C the cache's; the chunk's own K/V
 // rows are rounded to C first (as the cache will hold them, and as the decode kernel reads
