@@ -186,7 +186,8 @@ class Scheduler:
             return ()
         draft = spec_decode.propose(seq.token_ids, k, spec.prompt_lookup_min,
                                     spec.prompt_lookup_max)
-        if draft and not self.step_cost.worth(seq.spec_acceptance, decodes, len(draft)):
+        if draft and spec.cost_gate and not self.step_cost.worth(seq.spec_acceptance, decodes,
+                                                                  len(draft)):
             # NOTE: let the estimate recover: it only changes when the sequence drafts
             seq.spec_acceptance = min(1.0, seq.spec_acceptance + 0.02)
             return ()

@@ -25,12 +25,16 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config``: ``{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``."""
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, plus ours: ``"cost_gate": false``
+    drafts whenever the lookup finds a draft, without `StepCost`'s check that it pays (its
+    estimate is learned from measured step times, so what it drafts moves with the
+    machine's load: benchmarks of acceptance and tests that count drafts turn it off)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    cost_gate: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,6 +44,7 @@ class SpeculativeConfig:
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
              "must be >= prompt_lookup_min"),
+            ("cost_gate", isinstance(self.cost_gate, bool), "must be true or false"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -53,7 +58,8 @@ class SpeculativeConfig:
         """From a dict, its JSON text (the CLI flag), or None (off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "cost_gate"}
         return cls(**json_object(value, "speculative_config", known))
 
 
