@@ -35,6 +35,13 @@ namespace {
 using ringserve::to_f;
 using namespace ringserve::RINGSERVE_NS;
 
+// The columns a decode row at context `ctx` attends to: the cached positions its window
+// keeps, then its own fresh row.
+inline int64_t window_len(const Args& a, int64_t ctx) {
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
+  return ctx - lo + 1;
+}
+
 // The rows sequence `s`, kv head `h` attends to: its cached window, found in the ring, then
 // its fresh K/V row (the last column). T is the activations' type, C the cache's (bf16
 // under float32 activations with kv_cache_dtype=bfloat16); the fresh row is rounded to C
@@ -46,8 +53,8 @@ int64_t window_rows(const Args& a, int64_t s, int64_t h, const T* key, const T* 
                     int64_t token, int64_t ctx, std::vector<C>& fresh,
                     std::vector<const C*>& krows, std::vector<const C*>& vrows) {
   const int64_t d = a.d;
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx - a.window + 1) : 0;
-  const int64_t len = ctx - lo + 1;  // cached window + the fresh key
+  const int64_t len = window_len(a, ctx);
+  const int64_t lo = ctx + 1 - len;  // the first cached position read
   fresh.resize(static_cast<size_t>(2 * d));
   const T* fk = key + (token * a.kv_heads + h) * d;
   const T* fv = value + (token * a.kv_heads + h) * d;
@@ -65,7 +72,6 @@ int64_t window_rows(const Args& a, int64_t s, int64_t h, const T* key, const T* 
   return len;
 }
 
-
 // NOTE: a part of at least this many window columns: below it, splitting one row's window
 // over threads saves less than merging the parts costs.
 constexpr int64_t kMinPart = 64;
@@ -77,10 +83,7 @@ int64_t parts_of(const Args& a, int64_t items, const int64_t* ctx, int64_t n) {
   const int64_t threads = at::get_num_threads();
   if (items == 0 || items >= threads) return 1;
   int64_t shortest = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, ctx[i] - a.window + 1) : 0;
-    shortest = std::min(shortest, ctx[i] - lo + 1);
-  }
+  for (int64_t i = 0; i < n; ++i) shortest = std::min(shortest, window_len(a, ctx[i]));
   return std::clamp<int64_t>(std::min(threads / items, shortest / kMinPart), 1, kMaxParts);
 }
 
