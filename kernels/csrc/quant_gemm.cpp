@@ -41,6 +41,9 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;  // x rows a pass; more rows run in passes of 8
 constexpr int64_t kTile = 32;     // weight rows a tile: two vectors of 16 outputs
+// Bytes of the weight asked for ahead of the one-row multiply (quant_row): one cache line
+// per 64 values, into L1, this far ahead in the rows' one stream.
+constexpr int64_t kAheadBytes = 2560;
 
 #if defined(__AVX512BF16__)
 
@@ -100,6 +103,18 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
   const int64_t groups = k / group;
   const uint8_t* row = qw + r * (BITS == 8 ? k : k / 2);
   halves_to_floats(scales + r * groups, groups, sc);
+  // NOTE: one x row multiplies fast enough that the hardware prefetcher alone left it
+  // waiting on memory; each 64-value step asks for the line kAheadBytes further on (the
+  // rows are one stream), up to the weight's end. The whole next row at once instead
+  // stalled rows of 2 KiB (a burst of 32 prefetches), 0.74x. Many x rows keep the
+  // hardware's pace.
+  const uint8_t* end = qw + n * (BITS == 8 ? k : k / 2);
+  const auto fetch_ahead = [end](const uint8_t* p) {
+    if constexpr (M == 1) {
+      if (p + kAheadBytes < end)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes), _MM_HINT_T0);
+    }
+  };
   __m512 t0[M], t1[M];
   for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
   if (group <= 32) {
@@ -112,6 +127,7 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
     };
     int64_t j = 0;
     for (; j + 64 <= k; j += 64) {
+      fetch_ahead(row + j * BITS / 8);
       __m512bh w0, w1;
       widen64<BITS>(row, j, w0, w1);
       const __m512 s0 = scale(j), s1 = scale(j + 32);
@@ -137,6 +153,7 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
       const int64_t j1 = (g + 1) * group;
       int64_t j = g * group;
       for (; j + 64 <= j1; j += 64) {
+        fetch_ahead(row + j * BITS / 8);
         __m512bh w0, w1;
         widen64<BITS>(row, j, w0, w1);
         for (int m = 0; m < M; ++m) {
