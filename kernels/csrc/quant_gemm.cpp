@@ -111,7 +111,7 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
   const uint8_t* end = qw + n * (BITS == 8 ? k : k / 2);
   const auto fetch_ahead = [end](const uint8_t* p) {
     if constexpr (M == 1) {
-      if (p + kAheadBytes < end)
+      if (end - p > kAheadBytes)  // (no pointer formed past the weight's end)
         _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes), _MM_HINT_T0);
     }
   };
