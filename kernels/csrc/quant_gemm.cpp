@@ -121,13 +121,15 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
   };
   __m512 t0[M], t1[M];
   for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
-  if (group <= 32) {
-    // One scale per 32-value half, or (group 16, GGUF's Q6_K) two: lanes 0-7 and 8-15 of
-    // a dpbf16 hold values 0-15 and 16-31.
+  // One scale per 32-value half, or (group 16, GGUF's Q6_K) two: lanes 0-7 and 8-15 of
+  // a dpbf16 hold values 0-15 and 16-31. One loop for each group size (G16), so that its
+  // body does not test the group.
+  const auto small_groups = [&](auto sixteen) {
+    constexpr bool G16 = decltype(sixteen)::value;
     auto scale = [&](int64_t j) {
-      return group == 16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[j / 16]),
-                                                _mm512_set1_ps(sc[j / 16 + 1]))
-                         : _mm512_set1_ps(sc[j / 32]);
+      return G16 ? _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sc[j / 16]),
+                                        _mm512_set1_ps(sc[j / 16 + 1]))
+                 : _mm512_set1_ps(sc[j / 32]);
     };
     int64_t j = 0;
     for (; j + 64 <= k; j += 64) {
@@ -150,6 +152,11 @@ inline void quant_row(const uint16_t* x, const uint8_t* qw, const c10::Half* sca
             _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + m * k + j), w0),
             s0, t0[m]);
     }
+  };
+  if (group == 16) {
+    small_groups(std::true_type{});
+  } else if (group == 32) {
+    small_groups(std::false_type{});
   } else {
     for (int64_t g = 0; g < groups; ++g) {
       __m512 p0[M], p1[M];
