@@ -64,13 +64,19 @@ def test_a_row_with_nan_is_torchs_answer(cpu_variant: str, dtype: torch.dtype) -
     assert int(got[1]) == 777  # the NaN's index, not the largest number's
 
 
-def test_the_kernel_itself_marks_nan_rows(cpu_variant: str) -> None:
-    """The wrapper's fallback is only for NaN rows: the op answers -1 there, and the others
-    are its own."""
-    x = torch.randn(3, 1000)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_op_itself_answers_nan_rows_as_torch(cpu_variant: str, dtype: torch.dtype) -> None:
+    """The op (not only the wrapper) gives torch's answer for a row holding NaN (the first
+    NaN's index: torch's max propagates it), whichever chunk the NaN is in, and its own
+    for the other rows."""
+    x = torch.randn(4, 40000, generator=torch.Generator().manual_seed(6)).to(dtype)
     x[1, 5] = float("nan")
+    x[2, 39999] = float("nan")
+    x[2, 20000] = float("nan")
+    x[2, 30000] = 1e4
     got = cpu_build.ops(cpu_variant).first_max(x)
-    assert got.tolist() == [int(x[0].argmax()), -1, int(x[2].argmax())]
+    assert got.tolist() == x.max(dim=-1).indices.tolist()
+    assert got.tolist()[1:3] == [5, 20000]
 
 
 def test_strided_rows_and_other_inputs() -> None:

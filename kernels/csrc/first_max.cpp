@@ -6,8 +6,10 @@
 // cut into chunks spread over the kernels' threads; each chunk keeps, per SIMD lane, the
 // largest value and the index where it first appeared (a strictly greater value replaces
 // it), so the smallest index among the lanes holding the chunk's maximum is its first
-// maximum, and the earliest chunk holding the row's maximum wins. A row holding a NaN
-// answers -1: torch's max propagates NaN, and the caller asks torch for that row.
+// maximum, and the earliest chunk holding the row's maximum wins. A row holding a NaN is
+// answered by torch's own max (which propagates NaN: the first NaN's index), here, so the
+// caller needs no check of its own after the call: a decode step runs its small ops with
+// caches the weights have just swept, ~50 us each (docs/cpu.md).
 
 #include <ATen/ATen.h>
 #if defined(__AVX512F__)
@@ -77,6 +79,7 @@ Best scan(const T* x, int64_t begin, int64_t end) {
   return best;
 }
 
+// out[r] = -1 for a row holding a NaN.
 template <typename T>
 void first_max_rows(const T* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {
   const int64_t chunks = (cols + kChunk - 1) / kChunk;
@@ -118,6 +121,9 @@ at::Tensor first_max(const at::Tensor& logits) {
   } else {
     TORCH_CHECK(false, "first_max: float32 or bfloat16 logits");
   }
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < logits.size(0); ++r)
+    if (o[r] < 0) o[r] = std::get<1>(logits[r].max(0)).item<int64_t>();
   return out;
 }
 
