@@ -35,3 +35,6 @@ class ForwardBatch:
     # queries is served as a decode reading the row's earlier tokens from the cache; safe
     # by the rings' speculative slack, see block_manager/ring.py)
     early_writes: torch.Tensor | None = None
+    # every sequence has exactly one new token after a cached context, and none is written
+    # early (known on the host: the decode-only paths check it without a device op)
+    decode_only: bool = False

@@ -133,5 +133,7 @@ class ModelRunner:
             logits_indices=torch.tensor(plan.logits_rows, dtype=torch.int64).to(dev),
             max_position=max(plan.positions) + 1,
             early_writes=torch.tensor(early, dtype=torch.int64).to(dev) if early else None,
+            decode_only=(not early and min(plan.context_lens, default=0) >= 1
+                         and plan.query_starts == list(range(len(plan.query_starts)))),
         )
         return torch.tensor(plan.input_ids, dtype=torch.int64).to(dev), batch

@@ -171,4 +171,5 @@ def build_forward_batch(
         groups=tuple(groups),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         max_position=max((s.context_len + s.num_new for s in steps), default=0),
+        decode_only=bool(steps) and all(s.num_new == 1 and s.context_len >= 1 for s in steps),
     )

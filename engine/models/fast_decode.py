@@ -35,7 +35,6 @@ from ringserve.engine.models.layers import MLP, Attention, RMSNorm
 from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.kernels import cpu_act, cpu_build, cpu_norm
 from ringserve.kernels.cpu_attention import dense_rows
-from ringserve.kernels.torch_plan import step_plan
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -86,19 +85,24 @@ class _Layer:
     act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     mods: list[RMSNorm] = field(default_factory=list)  # the four, then q_norm and k_norm
     scales: tuple[torch.Tensor, ...] = ()
-    versions: list[int] = field(default_factory=list)
+    # what the step reads of the modules, read once here: every read of a module attribute
+    # in the step runs with caches the weights just swept (docs/cpu.md, "A decode step's
+    # small ops run with cold caches")
+    eps: tuple[float, ...] = ()  # the four norms', then q_norm's and k_norm's (0: none)
+    shape: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
-        self.mods = [*self.norms, *([self.attn.q_norm, self.attn.k_norm]
-                                    if self.attn.qk_norm else [])]
+        attn = self.attn
+        self.mods = [*self.norms, *([attn.q_norm, attn.k_norm] if attn.qk_norm else [])]
+        self.eps = (*(m.eps for m in self.norms),
+                    *((attn.q_norm.eps, attn.k_norm.eps) if attn.qk_norm else (0.0, 0.0)))
+        self.shape = (attn.group, attn.proj_sizes, attn.num_heads, attn.num_kv_heads,
+                      attn.head_dim, attn.scale, attn.window or 0, attn.softcap or 0.0,
+                      attn.qk_norm)
 
-    def norm_scales(self) -> tuple[torch.Tensor, ...]:
-        """The norms' effective weights (`RMSNorm.scale`), fetched again if one changed."""
-        versions = [m.weight._version for m in self.mods]
-        if versions != self.versions:
-            self.scales = tuple(m.scale() for m in self.mods)
-            self.versions = versions
-        return self.scales
+    def fetch_scales(self) -> None:
+        """The norms' effective weights (`RMSNorm.scale`), fetched again."""
+        self.scales = tuple(m.scale() for m in self.mods)
 
 
 class FastDecode:
@@ -108,6 +112,19 @@ class FastDecode:
         self.layers = layers
         self.ops = ops
         self.dtype = dtype
+        # the norms' weights, whose versions say when a scale must be fetched again (one
+        # check a step, not one per layer)
+        self._weights = [m.weight for layer in layers for m in layer.mods]
+        self._versions: list[int] = []
+        self._rows: dict[int, torch.Tensor] = {}  # arange(n) int64: decode rows' indices
+        self._caches: tuple[int, list[Any]] | None = None  # the caches `takes` last checked
+
+    def _norm_scales(self) -> None:
+        versions = [w._version for w in self._weights]
+        if versions != self._versions:
+            for layer in self.layers:
+                layer.fetch_scales()
+            self._versions = versions
 
     @staticmethod
     def signature(model: Any) -> tuple[Any, ...]:
@@ -161,16 +178,20 @@ class FastDecode:
     def takes(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[Any],
               rope_of_layer: list[int | None]) -> bool:
         """Whether this step is one it serves: rows of its dtype on the CPU, every row one
-        decode token after a cached context, no early writes, every layer with rotary
-        tables, caches of the rows' dtype (or bf16 under float32 rows)."""
-        if (not enabled() or x.dtype != self.dtype or x.device.type != "cpu"
-                or batch.early_writes is not None or any(r is None for r in rope_of_layer)):
+        decode token after a cached context (`ForwardBatch.decode_only`), every layer with
+        rotary tables, caches of the rows' dtype (or bf16 under float32 rows)."""
+        if (not enabled() or not batch.decode_only or x.dtype != self.dtype
+                or x.device.type != "cpu" or x.shape[0] == 0
+                or any(r is None for r in rope_of_layer)):
             return False
-        tokens, seqs = x.shape[0], batch.context_lens.shape[0]
-        if tokens != seqs or tokens == 0 or int(batch.context_lens.min()) < 1:
-            return False
-        return all(dense_rows(k) and dense_rows(v) and v.dtype == k.dtype
-                   and k.dtype in (x.dtype, torch.bfloat16) for k, v in kv_caches)
+        # NOTE: the engine passes the same list of caches every step: checked once
+        if self._caches is not None and self._caches[1] is kv_caches:
+            return True
+        ok = all(dense_rows(k) and dense_rows(v) and v.dtype == k.dtype
+                 and k.dtype in (x.dtype, torch.bfloat16) for k, v in kv_caches)
+        if ok:
+            self._caches = (id(kv_caches), kv_caches)
+        return ok
 
     def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
             rope_of_layer: list[int | None], batch: ForwardBatch,
@@ -178,42 +199,37 @@ class FastDecode:
         ops, n = self.ops, x.shape[0]
         rotary = [(c.reshape(-1, c.shape[-1]).contiguous(), s.reshape(-1, s.shape[-1])
                    .contiguous()) for c, s in tables]
-        plans: dict[int, tuple[torch.Tensor, ...]] = {}
+        # every row is one decode token (`takes`): row i is sequence i's token i
+        rows = self._rows.get(n)
+        if rows is None:
+            rows = self._rows[n] = torch.arange(n, dtype=torch.int64)
+        ctxs = batch.context_lens.to(torch.int64)
+        group_tables = [(g.block_tables.to(torch.int32).contiguous(), g.slot_mapping,
+                         g.ring_blocks or 0) for g in batch.groups]
+        self._norm_scales()
         for i, layer in enumerate(self.layers):
-            attn = layer.attn
-            group = batch.groups[attn.group]
-            index = plans.get(attn.group)
-            if index is None:
-                plan = step_plan(group.block_tables, batch.query_start_loc, batch.context_lens,
-                                 block_size=kv_caches[i][0].shape[1], window=group.window,
-                                 ring=group.ring_blocks)
-                index = plans[attn.group] = (group.block_tables.to(torch.int32).contiguous(),
-                                             *plan.decode_index)
-            table, seq_ids, token_ids, ctxs = index
+            (group, sizes, heads, kv_heads, dim, scale, window, softcap,
+             qk_norm) = layer.shape
+            table, slots, ring = group_tables[group]
             rope = rope_of_layer[i]
             assert rope is not None
             cos, sin = rotary[rope]
-            scales = layer.norm_scales()
-            s_in, s_post_attn, s_pre_ff, s_post_ff = scales[:4]
-            e_in, e_post_attn, e_pre_ff, e_post_ff = (m.eps for m in layer.norms)
-            h = ops.rms_norm(x, s_in, e_in)
-            q, k, v = torch.split(layer.qkv(h), attn.proj_sizes, dim=-1)
-            q_scale, k_scale = (scales[4], scales[5]) if attn.qk_norm else (None, None)
-            q_eps = attn.q_norm.eps if attn.qk_norm else 0.0
-            k_eps = attn.k_norm.eps if attn.qk_norm else 0.0
-            q = ops.norm_rope(q.view(n, attn.num_heads, attn.head_dim), q_scale, cos, sin, q_eps)
-            k = ops.norm_rope(k.view(n, attn.num_kv_heads, attn.head_dim), k_scale, cos, sin,
-                              k_eps)
-            v = v.view(n, attn.num_kv_heads, attn.head_dim)
+            scales = layer.scales
+            e_in, e_post_attn, e_pre_ff, e_post_ff, q_eps, k_eps = layer.eps
+            h = ops.rms_norm(x, scales[0], e_in)
+            q, k, v = torch.split(layer.qkv(h), sizes, dim=-1)
+            q_scale, k_scale = (scales[4], scales[5]) if qk_norm else (None, None)
+            q = ops.norm_rope(q.view(n, heads, dim), q_scale, cos, sin, q_eps)
+            k = ops.norm_rope(k.view(n, kv_heads, dim), k_scale, cos, sin, k_eps)
+            v = v.view(n, kv_heads, dim)
             key_cache, value_cache = kv_caches[i]
             out = torch.empty_like(q)
-            ops.paged_decode(q, k, v.contiguous(), key_cache, value_cache, table, seq_ids,
-                             token_ids, ctxs, out, attn.scale, attn.window or 0,
-                             group.ring_blocks or 0, attn.softcap or 0.0, None)
-            ops.write_kv(k, v, key_cache, value_cache, group.slot_mapping)
-            a = layer.o(out.view(n, attn.num_heads * attn.head_dim))
-            x = x + ops.rms_norm(a, s_post_attn, e_post_attn)
-            gate, up = layer.gate_up(ops.rms_norm(x, s_pre_ff, e_pre_ff)).chunk(2, dim=-1)
+            ops.paged_decode(q, k, v.contiguous(), key_cache, value_cache, table, rows, rows,
+                             ctxs, out, scale, window, ring, softcap, None)
+            ops.write_kv(k, v, key_cache, value_cache, slots)
+            a = layer.o(out.view(n, heads * dim))
+            x = x + ops.rms_norm(a, scales[1], e_post_attn)
+            gate, up = layer.gate_up(ops.rms_norm(x, scales[2], e_pre_ff)).chunk(2, dim=-1)
             d = layer.down(layer.act_mul(gate, up))
-            x = x + ops.rms_norm(d, s_post_ff, e_post_ff)
+            x = x + ops.rms_norm(d, scales[3], e_post_ff)
         return x
