@@ -188,6 +188,50 @@ def test_norm_rope_matches_float64(cpu_variant: str, rot: int, norm: bool) -> No
     torch.testing.assert_close(got.double(), _rope64(h, cos, sin), rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_gives_the_bits_of_add_after_norm(cpu_variant: str,
+                                                       dtype: torch.dtype) -> None:
+    """The fused residual add rounds as torch's ``res + rms_norm(x)`` does: the norm to the
+    dtype first, then the sum (for float32 no FMA may merge the two roundings)."""
+    ops = cpu_build.ops()
+    torch.manual_seed(2)
+    res = (torch.randn(9, 640) * 30).to(dtype)
+    x = torch.randn(9, 640).to(dtype)
+    scale = 1.0 + 0.3 * torch.randn(640)
+    got = ops.add_rms_norm(res, x, scale, 1e-6)
+    assert torch.equal(got, res + ops.rms_norm(x, scale, 1e-6))
+    torch.testing.assert_close(got.double(), res.double() + _rms64(x, scale, 1e-6),
+                               rtol=2**-7, atol=0.3 if dtype == torch.bfloat16 else 1e-4)
+    with pytest.raises(RuntimeError, match="add_rms_norm: res"):
+        ops.add_rms_norm(res[:, :320], x[:, :320], scale[:320], 1e-6)  # res not contiguous
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qkv_rope_splits_as_the_three_ops(cpu_variant: str, norm: bool) -> None:
+    """q and k through norm_rope, v a contiguous copy: the same bits as splitting the fused
+    projection and calling the ops one by one; checked against float64 too."""
+    ops = cpu_build.ops()
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, d, rot = 5, 4, 2, 32, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+    angles = torch.rand(tokens, rot // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(torch.bfloat16)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(torch.bfloat16)
+    q_scale, k_scale = ((1.0 + 0.3 * torch.randn(d), 1.0 + 0.3 * torch.randn(d)) if norm
+                        else (None, None))
+    q, k, v = ops.qkv_rope(qkv, q_scale, k_scale, cos, sin, 1e-6, 1e-5, heads, kv_heads)
+    q0, k0, v0 = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    assert torch.equal(q, ops.norm_rope(q0.view(tokens, heads, d), q_scale, cos, sin, 1e-6))
+    assert torch.equal(k, ops.norm_rope(k0.view(tokens, kv_heads, d), k_scale, cos, sin, 1e-5))
+    assert torch.equal(v, v0.reshape(tokens, kv_heads, d)) and v.is_contiguous()
+    h = q0.view(tokens, heads, d)
+    h = _rms64(h, q_scale, 1e-6) if q_scale is not None else h.double()
+    torch.testing.assert_close(q.double(), _rope64(h, cos[:, None], sin[:, None]),
+                               rtol=2**-7, atol=2e-2)
+    with pytest.raises(RuntimeError, match="qkv_rope: qkv"):
+        ops.qkv_rope(qkv[:, 1:], q_scale, k_scale, cos, sin, 1e-6, 1e-6, heads, kv_heads)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("seed", range(6))
 def test_float32_queries_over_a_bf16_cache(cpu_variant: str, backend: str, seed: int) -> None:

@@ -7,7 +7,9 @@ attention's plan) before each compiled op. Those choices are the same for every 
 every decode step of one batch size, so `FastDecode` makes them once per layer (the linears'
 path per row count, the norms' scales, the heads' shapes) and once per step (the attention
 plan and int32 tables of each layer group, the rotary tables' flat views), and runs the
-layer as a flat sequence of op calls.
+layer as a flat sequence of op calls, two of them fused for this path: `qkv_rope` (the
+fused projection split, q and k normed and rotated, v made contiguous) and `add_rms_norm`
+(the residual add after a sandwich norm), each rounding as the ops it replaces.
 
 It computes exactly what the modules compute (the same ops on the same tensors in the same
 order, so the same bits; `tests/test_fast_decode.py` compares the two), and takes only
@@ -96,7 +98,7 @@ class _Layer:
         self.mods = [*self.norms, *([attn.q_norm, attn.k_norm] if attn.qk_norm else [])]
         self.eps = (*(m.eps for m in self.norms),
                     *((attn.q_norm.eps, attn.k_norm.eps) if attn.qk_norm else (0.0, 0.0)))
-        self.shape = (attn.group, attn.proj_sizes, attn.num_heads, attn.num_kv_heads,
+        self.shape = (attn.group, attn.num_heads, attn.num_kv_heads,
                       attn.head_dim, attn.scale, attn.window or 0, attn.softcap or 0.0,
                       attn.qk_norm)
 
@@ -197,6 +199,7 @@ class FastDecode:
             rope_of_layer: list[int | None], batch: ForwardBatch,
             kv_caches: list[Any]) -> torch.Tensor:
         ops, n = self.ops, x.shape[0]
+        x = x.contiguous()
         rotary = [(c.reshape(-1, c.shape[-1]).contiguous(), s.reshape(-1, s.shape[-1])
                    .contiguous()) for c, s in tables]
         # every row is one decode token (`takes`): row i is sequence i's token i
@@ -208,8 +211,7 @@ class FastDecode:
                          g.ring_blocks or 0) for g in batch.groups]
         self._norm_scales()
         for i, layer in enumerate(self.layers):
-            (group, sizes, heads, kv_heads, dim, scale, window, softcap,
-             qk_norm) = layer.shape
+            group, heads, kv_heads, dim, scale, window, softcap, qk_norm = layer.shape
             table, slots, ring = group_tables[group]
             rope = rope_of_layer[i]
             assert rope is not None
@@ -217,19 +219,16 @@ class FastDecode:
             scales = layer.scales
             e_in, e_post_attn, e_pre_ff, e_post_ff, q_eps, k_eps = layer.eps
             h = ops.rms_norm(x, scales[0], e_in)
-            q, k, v = torch.split(layer.qkv(h), sizes, dim=-1)
             q_scale, k_scale = (scales[4], scales[5]) if qk_norm else (None, None)
-            q = ops.norm_rope(q.view(n, heads, dim), q_scale, cos, sin, q_eps)
-            k = ops.norm_rope(k.view(n, kv_heads, dim), k_scale, cos, sin, k_eps)
-            v = v.view(n, kv_heads, dim)
+            q, k, v = ops.qkv_rope(layer.qkv(h), q_scale, k_scale, cos, sin, q_eps, k_eps,
+                                   heads, kv_heads)
             key_cache, value_cache = kv_caches[i]
             out = torch.empty_like(q)
-            ops.paged_decode(q, k, v.contiguous(), key_cache, value_cache, table, rows, rows,
-                             ctxs, out, scale, window, ring, softcap, None)
+            ops.paged_decode(q, k, v, key_cache, value_cache, table, rows, rows, ctxs, out,
+                             scale, window, ring, softcap, None)
             ops.write_kv(k, v, key_cache, value_cache, slots)
-            a = layer.o(out.view(n, heads * dim))
-            x = x + ops.rms_norm(a, scales[1], e_post_attn)
+            # (x + rms_norm(a) in one op, rounded as the two are)
+            x = ops.add_rms_norm(x, layer.o(out.view(n, heads * dim)), scales[1], e_post_attn)
             gate, up = layer.gate_up(ops.rms_norm(x, scales[2], e_pre_ff)).chunk(2, dim=-1)
-            d = layer.down(layer.act_mul(gate, up))
-            x = x + ops.rms_norm(d, scales[3], e_post_ff)
+            x = ops.add_rms_norm(x, layer.down(layer.act_mul(gate, up)), scales[3], e_post_ff)
         return x

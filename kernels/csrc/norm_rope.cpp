@@ -3,7 +3,10 @@
 // Eagerly, an RMSNorm is ~10 small ATen ops (widen, square, mean, add, rsqrt, two
 // multiplies, narrow) and a rotary embedding ~9; at decode batch sizes each op costs more
 // in dispatch than in arithmetic, and a gemma-3 layer runs six norms and two rotaries.
-// Here each is one loop over the rows, in float32, rounded once at the end.
+// Here each is one loop over the rows, in float32, rounded once at the end. For the
+// decode path without modules (engine/models/fast_decode.py) two more save Python-side ops
+// between the big multiplies: add_rms_norm (residual + norm) and qkv_rope (split, q and k
+// through norm_rope, v copied), each with the roundings of the ops it replaces.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -25,9 +29,11 @@ namespace {
 using ringserve::from_f;
 using ringserve::to_f;
 
+// With `res` (the residual stream, [rows, d] contiguous): res + norm(x), each rounded to T
+// as the two ops `res + rms_norm(x)` round (the norm's value first, then the sum).
 template <typename T>
 void rms_rows(const T* x, int64_t rows, int64_t d, int64_t stride, const float* scale,
-              float eps, T* out) {
+              float eps, const T* res, T* out) {
   ringserve::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * stride;
@@ -38,6 +44,14 @@ void rms_rows(const T* x, int64_t rows, int64_t d, int64_t stride, const float* 
       T* o = out + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] = from_f<T>(to_f(xr[i]) * inv * scale[i]);
+      // NOTE: a second pass over the stored norm, so that for float32 the compiler cannot
+      // contract the scale multiply and the add into one FMA (one rounding, not the two
+      // ops' two).
+      if (res != nullptr) {
+        const T* rr = res + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] = from_f<T>(to_f(rr[i]) + to_f(o[i]));
+      }
     }
   });
 }
@@ -51,8 +65,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
-                       scale.data_ptr<float>(), static_cast<float>(eps),
+                       scale.data_ptr<float>(), static_cast<float>(eps), nullptr,
                        out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// res + rms_norm(x, scale, eps) in one pass, with the two ops' roundings: a sandwich
+// layer's residual add after its post-attention and post-feedforward norms.
+at::Tensor add_rms_norm(const at::Tensor& res, const at::Tensor& x, const at::Tensor& scale,
+                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "add_rms_norm: x must be [rows, d], unit stride");
+  TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type() &&
+                  res.is_contiguous(),
+              "add_rms_norm: res must be contiguous, with x's shape and dtype");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == x.size(1),
+              "add_rms_norm: scale must be float32 [d]");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                       scale.data_ptr<float>(), static_cast<float>(eps),
+                       res.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -124,14 +158,37 @@ at::Tensor norm_rope(const at::Tensor& x, const std::optional<at::Tensor>& scale
   return out;
 }
 
+// A fused q/k/v projection's output [tokens, (heads + 2 kv_heads) d] as attention takes it:
+// q and k through norm_rope (each with its optional norm), v a contiguous copy. The same
+// calls as splitting in Python, without a dozen Python-side ops a layer.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope(
+    const at::Tensor& qkv, const std::optional<at::Tensor>& q_scale,
+    const std::optional<at::Tensor>& k_scale, const at::Tensor& cos, const at::Tensor& sin,
+    double q_eps, double k_eps, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && kv_heads > 0 &&
+                  qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "qkv_rope: qkv must be [tokens, (heads + 2 kv_heads) d], unit stride");
+  const int64_t n = qkv.size(0), d = qkv.size(1) / (heads + 2 * kv_heads);
+  const at::Tensor q = qkv.narrow(1, 0, heads * d).view({n, heads, d});
+  const at::Tensor k = qkv.narrow(1, heads * d, kv_heads * d).view({n, kv_heads, d});
+  const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({n, kv_heads, d});
+  return {norm_rope(q, q_scale, cos, sin, q_eps), norm_rope(k, k_scale, cos, sin, k_eps),
+          v.contiguous()};
+}
+
 }  // namespace
 
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("norm_rope(Tensor x, Tensor? scale, Tensor cos, Tensor sin, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor res, Tensor x, Tensor scale, float eps) -> Tensor");
+  m.def("qkv_rope(Tensor qkv, Tensor? q_scale, Tensor? k_scale, Tensor cos, Tensor sin, "
+        "float q_eps, float k_eps, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
 }
 
 RINGSERVE_IMPL(RINGSERVE_NS, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("norm_rope", &norm_rope);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("qkv_rope", &qkv_rope);
 }
