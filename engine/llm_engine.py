@@ -34,6 +34,7 @@ from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer,
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
 from ringserve.engine.models.quant_linear import (
+    auto_head_rows,
     auto_packed_rows,
     pack_head_copy,
     pack_linear_copies,
@@ -97,12 +98,15 @@ class LLMEngine:
                                 hf_config=hf_config, quantization=self.quantization,
                                 int16_activations=self.int16_activations)
         packed_rows: int | None
+        head_rows = config.packed_head_rows
         if config.packed_rows == "auto":
             packed_rows, why = auto_packed_rows(self.model, self.dtype)
             logger.info("packed rows auto: %s (%s)", packed_rows or "off", why)
+            if packed_rows is not None and head_rows is None:
+                head_rows = auto_head_rows(self.model)
         else:
             packed_rows = None if config.packed_rows is None else int(config.packed_rows)
-        for param, rows, pack in (("packed_head_rows", config.packed_head_rows, pack_head_copy),
+        for param, rows, pack in (("packed_head_rows", head_rows, pack_head_copy),
                                   ("packed_rows", packed_rows, pack_linear_copies)):
             if rows is not None:
                 try:

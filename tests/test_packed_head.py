@@ -180,10 +180,20 @@ def test_auto_packs_every_quantized_linear_where_the_tiles_are(
     with caplog.at_level("INFO", logger="ringserve.engine"):
         llm = LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows="auto",
                   kv_cache_memory="4MiB", max_model_len=64)
-    layers = _linears(llm)
+    head = llm.engine.model.lm_head
+    assert isinstance(head, QuantLinear)  # (a tied int8 head)
+    layers = [m for m in _linears(llm) if m is not head]
     assert layers and all(m.packed_rows == quant_linear.AUTO_PACKED_ROWS and m.copies()
                           for m in layers)
+    # the head's copy serves from fewer rows than the layers' (it is half a small step)
+    assert head.packed_rows == quant_linear.AUTO_PACKED_HEAD_ROWS and head.copies()
+    assert quant_linear.AUTO_PACKED_HEAD_ROWS < quant_linear.AUTO_PACKED_ROWS
     assert f"packed rows auto: {quant_linear.AUTO_PACKED_ROWS}" in caplog.text
+    head_seen = _no_quantized_call_at(head, quant_linear.AUTO_PACKED_HEAD_ROWS, monkeypatch)
+    llm.generate([{"prompt_token_ids": random_tokens(8, seed=i)} for i in range(6)],
+                 SamplingParams(max_tokens=3, ignore_eos=True))  # 6-row steps: its copy
+    assert head_seen == [] or max(head_seen) < quant_linear.AUTO_PACKED_HEAD_ROWS
+    monkeypatch.undo()
     seen = _no_quantized_call_at(None, quant_linear.AUTO_PACKED_ROWS, monkeypatch)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": random_tokens(8, seed=i)} for i in range(20)],
