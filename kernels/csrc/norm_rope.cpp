@@ -56,39 +56,36 @@ void rms_rows(const T* x, int64_t rows, int64_t d, int64_t stride, const float* 
   });
 }
 
-// x: [rows, d] with unit stride in d; scale: float32 [d] (the norm's effective weight).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, d], unit stride");
+// x: [rows, d] with unit stride in d; scale: float32 [d] (the norm's effective weight);
+// res (add_rms_norm): [rows, d] contiguous, x's dtype.
+at::Tensor norm_rows(const char* op, const at::Tensor& x, const at::Tensor& scale, double eps,
+                     const at::Tensor* res) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, d], unit stride");
+  TORCH_CHECK(res == nullptr || (res->sizes() == x.sizes() &&
+                                 res->scalar_type() == x.scalar_type() && res->is_contiguous()),
+              op, ": res must be contiguous, with x's shape and dtype");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == x.size(1),
-              "rms_norm: scale must be float32 [d]");
+              op, ": scale must be float32 [d]");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
-                       scale.data_ptr<float>(), static_cast<float>(eps), nullptr,
+                       scale.data_ptr<float>(), static_cast<float>(eps),
+                       res == nullptr ? nullptr : res->data_ptr<scalar_t>(),
                        out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  return norm_rows("rms_norm", x, scale, eps, nullptr);
 }
 
 // res + rms_norm(x, scale, eps) in one pass, with the two ops' roundings: a sandwich
 // layer's residual add after its post-attention and post-feedforward norms.
 at::Tensor add_rms_norm(const at::Tensor& res, const at::Tensor& x, const at::Tensor& scale,
                         double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "add_rms_norm: x must be [rows, d], unit stride");
-  TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type() &&
-                  res.is_contiguous(),
-              "add_rms_norm: res must be contiguous, with x's shape and dtype");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  scale.numel() == x.size(1),
-              "add_rms_norm: scale must be float32 [d]");
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
-    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
-                       scale.data_ptr<float>(), static_cast<float>(eps),
-                       res.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
-  });
-  return out;
+  return norm_rows("add_rms_norm", x, scale, eps, &res);
 }
 
 template <typename T>
