@@ -119,7 +119,7 @@ class FastDecode:
         self._weights = [m.weight for layer in layers for m in layer.mods]
         self._versions: list[int] = []
         self._rows: dict[int, torch.Tensor] = {}  # arange(n) int64: decode rows' indices
-        self._caches: tuple[int, list[Any]] | None = None  # the caches `takes` last checked
+        self._caches: list[Any] | None = None  # the caches `takes` last found fit
 
     def _norm_scales(self) -> None:
         versions = [w._version for w in self._weights]
@@ -187,12 +187,12 @@ class FastDecode:
                 or any(r is None for r in rope_of_layer)):
             return False
         # NOTE: the engine passes the same list of caches every step: checked once
-        if self._caches is not None and self._caches[1] is kv_caches:
+        if kv_caches is self._caches:
             return True
         ok = all(dense_rows(k) and dense_rows(v) and v.dtype == k.dtype
                  and k.dtype in (x.dtype, torch.bfloat16) for k, v in kv_caches)
         if ok:
-            self._caches = (id(kv_caches), kv_caches)
+            self._caches = kv_caches
         return ok
 
     def run(self, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
