@@ -43,7 +43,7 @@ FLAGS: dict[str, list[str]] = {
     "portable": [],
     "avx2": _X86_V3,
     "avx512": _AVX512,
-    "avx512_bf16": [*_AVX512, "-mavx512bf16"],
+    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
 }
 # NOTE: -mtune=native picks the machine's cost model (unrolling, vector widths of the loops
 # the compiler vectorises itself), never its instructions. With generic tuning the norms'

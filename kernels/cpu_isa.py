@@ -8,7 +8,7 @@ variant of the machine it lands on:
     portable      plain C++ with GCC vector types, no x86 intrinsics (any CPU, aarch64 too)
     avx2          the same source for x86-64-v3: AVX2 + FMA + F16C
     avx512        the same source for AVX-512 F/BW/VL/DQ (16 floats a vector)
-    avx512_bf16   avx512, plus the dpbf16 paths for bf16 activations (AVX512-BF16)
+    avx512_bf16   avx512, plus the dpbf16 paths for bf16 activations (AVX512-BF16) and VNNI
 
 A CPU class is one of those or ``amx`` (AVX512-BF16 plus AMX tiles: oneDNN's bf16 GEMMs
 run on AMX there; our own kernels are the avx512_bf16 variant).
@@ -39,7 +39,9 @@ VARIANTS = ("portable", "avx2", "avx512", "avx512_bf16")
 _NEEDS = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512_bf16": {"avx512_bf16"},
+    # NOTE: every CPU with AVX512-BF16 has AVX512-VNNI too (Cooper Lake, Sapphire Rapids,
+    # Zen 4); its build uses both (int8_tiles.cpp's vpdpwssd).
+    "avx512_bf16": {"avx512_bf16", "avx512_vnni"},
     "amx": {"amx_bf16", "amx_tile"},
 }
 

@@ -9,6 +9,9 @@ in registers:
   model runs with int16 activations: `int16_act_linear`): weight values widened to int16
   and multiplied by AVX2's madd, 16 a instruction; the default for quantized weights on
   CPUs without bf16 arithmetic.
+- bf16 steps of a few rows over a copy kept at one byte a value (`csrc/int8_tiles.cpp`,
+  `int8_tiles_linear`): x rounded to int16 blocks as above, the copy's values widened to
+  int16 and multiplied by AVX-512's vpdpwssd; half the bytes of the bf16 tiles' copy.
 - everything else (`csrc/compact_gemm.cpp`, every variant: AVX2, AVX-512, portable):
   each value widened to float32, scaled (plus its min) and multiplied by FMA; float32 or
   bf16 activations; many rows widen blocks into float32 tiles.
@@ -93,6 +96,36 @@ def has_tiles(variant: str | None = None) -> bool:
     tiles (`quant_tiles`): the dpbf16 builds."""
     v = variant or cpu_isa.info().variant
     return available(v) and _has_dpbf16(v)
+
+
+def has_int8_tiles(variant: str | None = None) -> bool:
+    """Whether ``variant``'s build (default this CPU's) multiplies `int8_tiles` copies (the
+    AVX-512 builds: vpdpwssd, or madd where there is no VNNI)."""
+    return _has_int8_tiles(variant or cpu_isa.info().variant)
+
+
+@functools.cache
+def _has_int8_tiles(variant: str) -> bool:
+    return available(variant) and bool(ops(variant).int8_tiles_fast())
+
+
+def int8_tiles(qw: QuantizedWeight, variant: str | None = None) -> tuple[torch.Tensor, ...] | None:
+    """``qw``'s values copied once into tiles of 32 weight rows in dpbf16's pair layout, one
+    byte a value, float16 scales (and 4-bit mins) beside them (`int8_tiles_linear`); None
+    for a layout they do not take (groups other than 16 for int8 or a multiple of 32)."""
+    if not int16_act_supports(qw):
+        return None
+    return tuple(ops(variant).int8_tiles(qw.qweight, qw.scales, qw.mins, qw.bits, qw.group))
+
+
+def int8_tiles_linear(x: torch.Tensor, tiles: tuple[torch.Tensor, ...], qw: QuantizedWeight,
+                      bias: torch.Tensor | None, variant: str | None = None) -> torch.Tensor:
+    """``x @ dequantize(qw).T + bias`` for x [m, k] (bf16 or float32) rounded to int16 blocks
+    of 32 values (`kernels.quant.int16_act_matmul_reference`, up to float32 sums), over
+    `int8_tiles`' copy of ``qw``; [m, n] in x's dtype."""
+    out: torch.Tensor = ops(variant).int8_tiles_linear(x, *tiles, qw.bits, qw.group,
+                                                       qw.shape[0], bias)
+    return out
 
 
 def quant_tiles(qw: QuantizedWeight, variant: str | None = None) -> tuple[torch.Tensor, ...]:

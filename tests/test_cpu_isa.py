@@ -21,7 +21,8 @@ from tests.tiny_models import make_checkpoint
 
 BASE = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 EPYC_AVX2 = frozenset(BASE)
-ZEN4 = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+ZEN4 = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                         "avx512_bf16"})
 SPR = frozenset(ZEN4 | {"amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"})
 SKYLAKE_X = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
@@ -31,6 +32,7 @@ SKYLAKE_X = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
     ("x86_64", SKYLAKE_X, "avx512"),
     ("x86_64", ZEN4, "avx512_bf16"),
     ("x86_64", SPR, "amx"),
+    ("x86_64", ZEN4 - {"avx512_vnni"}, "avx512"),  # the bf16 build multiplies with VNNI too
     ("x86_64", frozenset({"sse4_2", "avx"}), "portable"),  # pre-Haswell
     ("x86_64", frozenset(BASE - {"fma"} | {"avx512f"}), "portable"),  # a hole below
     ("aarch64", frozenset({"fp", "asimd", "sve"}), "portable"),

@@ -222,3 +222,61 @@ def test_kv_cache_dtype_follows_int16_activations() -> None:
                          int16_activations=True)[0] == torch.float32  # asked for: kept
     assert pick_kv_dtype("auto", torch.bfloat16, cpu,
                          int16_activations=True)[0] == torch.bfloat16
+
+
+# -- the one-byte tiles (kernels/csrc/int8_tiles.cpp): the same rounding, another layout ----
+
+int8_tiles_only = pytest.mark.skipif(
+    not cpu_build.available() or not cpu_quant.has_int8_tiles(),
+    reason="the one-byte tiles need AVX-512 BW (the avx512 and avx512_bf16 variants), which "
+    "this CPU (or its RINGSERVE_CPU_ISA cap) lacks")
+
+
+@int8_tiles_only
+@pytest.mark.parametrize("k", [640, 2048, 576])
+@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+def test_int8_tiles_match_the_float64_reference(cpu_variant: str, k: int, kind: str,
+                                                group: int | None) -> None:
+    if not cpu_quant.has_int8_tiles(cpu_variant):
+        pytest.skip(f"the {cpu_variant} variant has no AVX-512 BW: no one-byte tiles")
+    if k % (group or k) or (kind == "int4" and k % 64):
+        pytest.skip(f"{kind} group {group} does not divide k={k}")
+    torch.manual_seed(k + 7)
+    qw = make(kind, group, torch.randn(75, k) * 0.05)  # 75 rows: a partial third tile
+    tiles = cpu_quant.int8_tiles(qw, variant=cpu_variant)
+    assert tiles is not None  # (one group per row, group None: k, a multiple of 32 here)
+    assert tiles[0].dtype == torch.int8 and tiles[0].numel() == 96 * k  # one byte a value
+    bias = torch.randn(75)
+    for rows in (1, 2, 5, 6, 8, 13, 16):  # passes of up to 6 x rows, split evenly
+        x = torch.randn(rows, k)
+        x[:, 7] *= 40.0  # an outlier channel: its block's scale is coarse
+        x[0, 64:96] = 0.0  # an all-zero block (d = 0)
+        ref = int16_act_matmul_reference(x, qw) + bias.double()
+        out = cpu_quant.int8_tiles_linear(x, tiles, qw, bias, variant=cpu_variant)
+        assert out.dtype == torch.float32 and out.shape == (rows, 75)
+        err = (out.double() - ref).abs()
+        assert bool((err <= bound(x, qw)).all()), err.max()
+        full = quant_matmul_reference(x, qw) + bias.double()
+        assert (full - ref).abs().max() > 4 * err.max()  # the int16 rounding, not bf16's
+        xb = x.to(torch.bfloat16)  # bf16 rows (the served path): the same sums, bf16 out
+        refb = int16_act_matmul_reference(xb.float(), qw) + bias.double()
+        outb = cpu_quant.int8_tiles_linear(xb, tiles, qw, bias, variant=cpu_variant)
+        assert outb.dtype == torch.bfloat16
+        errb = (outb.double() - refb).abs()
+        assert bool((errb <= refb.abs() * 2**-8 + bound(xb.float(), qw)).all()), errb.max()
+
+
+@int8_tiles_only
+def test_int8_tiles_refuse_what_they_cannot_read(cpu_variant: str) -> None:
+    if not cpu_quant.has_int8_tiles(cpu_variant):
+        pytest.skip(f"the {cpu_variant} variant has no AVX-512 BW: no one-byte tiles")
+    ops = cpu_build.ops(cpu_variant)
+    qw = quantize_int8(torch.randn(40, 128), 32)
+    tiles = ops.int8_tiles(qw.qweight, qw.scales, None, 8, 32)
+    x = torch.randn(2, 128)
+    with pytest.raises(RuntimeError, match="tiles must come from int8_tiles"):
+        ops.int8_tiles_linear(x, *tiles, 8, 32, 80, None)  # another n
+    with pytest.raises(RuntimeError, match="scales must come from int8_tiles"):
+        ops.int8_tiles_linear(x, tiles[0], tiles[1].float(), tiles[2], 8, 32, 40, None)
+    with pytest.raises(RuntimeError, match="group"):
+        ops.int8_tiles(qw.qweight, quantize_int8(torch.randn(40, 128), 64).scales, None, 8, 64 + 16)

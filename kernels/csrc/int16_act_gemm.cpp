@@ -34,6 +34,7 @@
 #include "ops.h"
 #include "thread_pool.h"
 #include "quant_layout.h"
+#include "int16_acts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -49,51 +50,11 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;   // x values per int16 scale
+constexpr int64_t kBlock = ringserve::kActBlock;  // x values per int16 scale
 constexpr int64_t kMaxRows = 4;  // x rows a pass over a weight row
 
-struct Acts {
-  std::vector<int16_t> q;   // [m, k]
-  std::vector<float> d;     // [m, k / 32]
-  std::vector<float> gsum;  // [m, gpad]: float32 sums of x over each weight group (4-bit)
-  int64_t k = 0, blocks = 0, gpad = 0;
-};
-
-// Rows of x quantized (and, for 4-bit weights, summed per weight group of `group`).
-Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, bool sums) {
-  Acts a;
-  a.k = k;
-  a.blocks = k / kBlock;
-  a.gpad = sums ? (k / group + 7) / 8 * 8 : 0;
-  a.q.resize(static_cast<size_t>(m * k));
-  a.d.resize(static_cast<size_t>(m * a.blocks));
-  a.gsum.assign(static_cast<size_t>(m * a.gpad), 0.f);
-  ringserve::parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t r = m0; r < m1; ++r) {
-      const float* xr = x + r * k;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const float* v = xr + b * kBlock;
-        float amax = 0.f;
-        for (int64_t t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(v[t]));
-        const float d = amax / 32767.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
-        a.d[r * a.blocks + b] = d;
-        int16_t* q = a.q.data() + r * k + b * kBlock;
-        // NOTE: nearbyint rounds half to even under the default rounding mode, as
-        // torch.round does in the reference.
-        for (int64_t t = 0; t < kBlock; ++t)
-          q[t] = static_cast<int16_t>(std::clamp(std::nearbyint(v[t] * id), -32767.f, 32767.f));
-      }
-      if (sums)
-        for (int64_t g = 0; g < k / group; ++g) {
-          float s = 0.f;
-          for (int64_t t = 0; t < group; ++t) s += xr[g * group + t];
-          a.gsum[r * a.gpad + g] = s;
-        }
-    }
-  });
-  return a;
-}
+using ringserve::Acts;
+using ringserve::quantize_acts;
 
 struct Weight {
   const uint8_t* data;  // row r at data + r * row_bytes
