@@ -64,13 +64,16 @@ class EngineConfig:
         packed_head_rows: steps of at least this many rows multiply a quantized output
             head by a copy widened to bf16 once (its bytes are logged; AVX-512 or AMX
             CPUs); None = the quantized head for every step, unless packed_rows is
-            "auto" and packs: then AUTO_PACKED_HEAD_ROWS (5).
+            "auto" and packs: then AUTO_INT8_ROWS (2) where the one-byte copies are,
+            else AUTO_PACKED_HEAD_ROWS (5).
         packed_rows: the same for every quantized linear: steps (and prefill chunks) of
             at least this many rows multiply by copies widened to bf16 once of the
             quantized weights, which stay for smaller steps (bytes logged: about twice the
-            parameters); None = off; "auto" = 8 where the copies are the kernels' own
-            bf16 tiles (AVX512-BF16 or AMX) and take at most a quarter of the memory
-            available (`engine.models.quant_linear.auto_packed_rows`), else off.
+            parameters, three times with the one-byte copies that steps of up to
+            INT8_TILE_ROWS (16) rows read); None = off; "auto" = 2 where the copies are
+            the kernels' own bf16 and one-byte tiles (AVX512-BF16 or AMX) and take at most
+            a quarter of the memory available
+            (`engine.models.quant_linear.auto_packed_rows`), else off.
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket

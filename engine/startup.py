@@ -152,7 +152,7 @@ def describe(spec: KVCacheSpec, num_blocks: int, memory: int) -> str:
 def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """The CPU class and the path each kind of layer took, for the start-up log."""
     from ringserve.engine.models.packed_linear import CompactLinear, PackedLinear
-    from ringserve.engine.models.quant_linear import QuantLinear
+    from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
     from ringserve.kernels import cpu_build
 
     info = cpu_isa.info()
@@ -172,7 +172,10 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
                 name = f"int{module.bits} dpbf16"
             else:
                 name = f"int{module.bits} float32 FMA"
-            if module.packed_rows is not None:
+            if module.packed_rows is not None and module.tiles8 is not None:
+                name += (f" (+ one-byte copy from {module.packed_rows} to {INT8_TILE_ROWS} "
+                         "rows, bf16 copy beyond)")
+            elif module.packed_rows is not None:
                 name += f" (+ bf16 copy from {module.packed_rows} rows)"
         elif type(module) is torch.nn.Linear:
             name = f"torch {str(dtype).removeprefix('torch.')} F.linear"

@@ -55,13 +55,14 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "this factor of a decode-only step (e.g. 2; default: no cap)"),
     ("packed-head-rows", int, "steps of at least this many rows multiply a quantized "
      "output head by a copy widened to bf16 once (faster for large batches; costs about "
-     "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: 5 where --packed-rows "
-     "auto packs, else off)"),
+     "vocab x hidden x 2 bytes, logged; AVX-512/AMX CPUs; default: 2 where --packed-rows "
+     "auto packs with one-byte copies, 5 where it packs without, else off)"),
     ("packed-rows", _rows_or_auto, "the same for every quantized linear: steps and "
      "prefill chunks of at least this many rows multiply by copies widened to bf16 once "
-     "(about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); auto: from 8 rows (the "
-     "output head from 5) where the copies are the kernels' bf16 tiles (AVX512-BF16/AMX) and "
-     "fit in a quarter of the available memory; off"),
+     "(about 2 bytes a parameter more, logged; AVX-512/AMX CPUs; steps of up to 16 rows "
+     "take a second copy at one byte a parameter); auto: from 2 rows where the copies are "
+     "the kernels' bf16 and one-byte tiles (AVX512-BF16/AMX) and fit in a quarter of the "
+     "available memory; off"),
     ("kv-events-config", str, "vLLM's KV events, e.g. '{\"enable_kv_cache_events\": true, "
      "\"endpoint\": \"tcp://*:5557\"}': what the prefix cache stores and evicts, on a ZMQ "
      "PUB socket for a router (docs/metrics.md; default: off)"),

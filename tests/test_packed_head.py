@@ -63,23 +63,29 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
     weight = torch.randn(300, 128) * 0.1
     qw = quantize_int8(weight, 32) if kind == "int8" else quantize_int4(weight, 32)
     layer = QuantLinear(qw, None)
-    tiles = cpu_quant.has_tiles()
+    tiles, one_byte = cpu_quant.has_tiles(), cpu_quant.has_int8_tiles()
     size = layer.add_packed_copy(16)
     # our tiles: 10 of 32 rows, 2 bytes a value, float32 scales (and mins) of 4 groups;
-    # oneDNN's copy: the bf16 weight
-    assert size == (320 * 128 * 2 + 320 * 4 * 4 * (2 if kind == "int4" else 1) if tiles
-                    else 300 * 128 * 2)
+    # beside them (AVX-512) the one-byte tiles, float16 scales (and mins); oneDNN's copy:
+    # the bf16 weight
+    sets = 2 if kind == "int4" else 1
+    one = 320 * 128 + 320 * 4 * 2 * sets if tiles and one_byte else 0
+    assert size == (320 * 128 * 2 + 320 * 4 * 4 * sets + one if tiles else 300 * 128 * 2)
+    assert (layer.tiles8 is not None) == (tiles and one_byte)
     seen = _no_quantized_call_at(layer, 16, monkeypatch)
     exact, rounded = dequantize(qw).double(), dequantize(qw, torch.bfloat16).double()
-    for rows in (1, 15, 16, 40):
+    for rows in (1, 15, 16, 17, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         out = layer(x)
-        # oneDNN's copy holds the weight rounded to bf16; our tiles the exact values
+        # oneDNN's copy holds the weight rounded to bf16; our tiles the exact values; the
+        # one-byte tiles (16 rows) x rounded to int16 blocks, finer than bf16's rounding
         dense = rounded if rows >= 16 and not tiles else exact
         ref = x.double() @ dense.T
         bound = ref.abs() * 2**-8 + (x.double().abs() @ dense.abs().T) * 2**-16 + 1e-6
         assert bool(((out.double() - ref).abs() <= bound).all()), rows
-        if tiles and rows >= 16:  # the sums of the many-row path that widens every call
+        if tiles and rows == 16 and one_byte:  # the int16 blocks' sums
+            assert torch.equal(out, cpu_quant.int8_tiles_linear(x, layer.tiles8, qw, None))
+        elif tiles and rows >= 16:  # the sums of the many-row path that widens every call
             assert torch.equal(out, real_quant_linear(x, qw, None, 0))
     assert seen == ([1, 15] if layer.kernel else [])
 
@@ -183,23 +189,38 @@ def test_auto_packs_every_quantized_linear_where_the_tiles_are(
     head = llm.engine.model.lm_head
     assert isinstance(head, QuantLinear)  # (a tied int8 head)
     layers = [m for m in _linears(llm) if m is not head]
-    assert layers and all(m.packed_rows == quant_linear.AUTO_PACKED_ROWS and m.copies()
-                          for m in layers)
-    # the head's copy serves from fewer rows than the layers' (it is half a small step)
-    assert head.packed_rows == quant_linear.AUTO_PACKED_HEAD_ROWS and head.copies()
+    one_byte = cpu_quant.has_int8_tiles()
+    # with the one-byte copies (AVX-512) every linear from 2 rows; without, the head's bf16
+    # copy from fewer rows than the layers' (it is half a small step)
+    rows = quant_linear.AUTO_INT8_ROWS if one_byte else quant_linear.AUTO_PACKED_ROWS
+    head_rows = quant_linear.AUTO_INT8_ROWS if one_byte else quant_linear.AUTO_PACKED_HEAD_ROWS
+    assert layers and all(m.packed_rows == rows and m.copies() for m in layers)
+    assert all((m.tiles8 is not None) == one_byte for m in [*layers, head])
+    assert head.packed_rows == head_rows and head.copies()
     assert quant_linear.AUTO_PACKED_HEAD_ROWS < quant_linear.AUTO_PACKED_ROWS
-    assert f"packed rows auto: {quant_linear.AUTO_PACKED_ROWS}" in caplog.text
-    head_seen = _no_quantized_call_at(head, quant_linear.AUTO_PACKED_HEAD_ROWS, monkeypatch)
+    assert f"packed rows auto: {rows}" in caplog.text
+    assert ("one byte a value for steps of up to 16 rows" in caplog.text) == one_byte
+    head_seen = _no_quantized_call_at(head, head_rows, monkeypatch)
+    one_byte_rows: list[int] = []
+    real_int8 = quant_linear.cpu_quant.int8_tiles_linear
+
+    def spied(x: torch.Tensor, *args: object) -> torch.Tensor:
+        one_byte_rows.append(x.shape[0])
+        return real_int8(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_linear.cpu_quant, "int8_tiles_linear", spied)
     llm.generate([{"prompt_token_ids": random_tokens(8, seed=i)} for i in range(6)],
                  SamplingParams(max_tokens=3, ignore_eos=True))  # 6-row steps: its copy
-    assert head_seen == [] or max(head_seen) < quant_linear.AUTO_PACKED_HEAD_ROWS
+    assert head_seen == [] or max(head_seen) < head_rows
+    # the head (a module call) took its one-byte copy in the 6-row steps
+    assert (6 in one_byte_rows) == one_byte
     monkeypatch.undo()
-    seen = _no_quantized_call_at(None, quant_linear.AUTO_PACKED_ROWS, monkeypatch)
+    seen = _no_quantized_call_at(None, rows, monkeypatch)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": random_tokens(8, seed=i)} for i in range(20)],
                        params)  # 20-row steps: the copies serve them
     assert all(len(o.outputs[0].token_ids) == 3 for o in out)
-    assert seen == [] or max(seen) < quant_linear.AUTO_PACKED_ROWS
+    assert seen == [] or max(seen) < rows
 
 
 def test_auto_stays_off_where_the_copies_would_not_pay(

@@ -257,8 +257,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             if id(tensor) not in lookup_only and tensor is not skip:
                 per_token += round(size * share.get(id(tensor), 1.0))
         if isinstance(module, QuantLinear) and module.tiles is not None:
-            # a widened copy beside the quantized weight (not buffers: see QuantLinear)
-            resident += sum(t.numel() * t.element_size() for t in module.tiles)
+            # widened copies beside the quantized weight (not buffers: see QuantLinear)
+            resident += sum(t.numel() * t.element_size() for t in module.copies())
     return WeightBytes(resident, per_token)
 
 

@@ -45,6 +45,13 @@ logger = logging.getLogger("ringserve.engine")
 # rows, the tiles 1.4-2.5x faster from 32 rows on (within 1.2x of oneDNN's packed bf16 GEMM
 # at 256 rows).
 TILE_ROWS = 12
+# NOTE: steps of `packed_rows` up to this many rows multiply by the one-byte copy
+# (`cpu_quant.int8_tiles`) where the build has it; more rows by the bf16 tiles. The head
+# (262144 x 640 int8, group 16) read from memory, one process, int8 copy / bf16 copy, ms:
+# 4 rows 6.7 / 12.6, 8 rows 12.1 / 17.1, 16 rows 20.8 / 23.3, 32 rows 37.7 / 38.5, 128 rows
+# 172 / 160; a 2048 x 640 weight (the layers' size, compute-bound) at 32 rows 0.53 / 0.40:
+# the int8 copy halves the bytes read for ~1.3x the instructions (Zen 4, 2026-12-04).
+INT8_TILE_ROWS = 16
 
 
 class QuantLinear(nn.Module):
@@ -81,6 +88,8 @@ class QuantLinear(nn.Module):
         # NOTE: a plain attribute, not buffers: the copy follows the quantized weight's
         # device and is made after loading (`add_packed_copy`).
         self.tiles: tuple[torch.Tensor, ...] | None = None
+        # The same values at one byte each, for steps of packed_rows..INT8_TILE_ROWS rows.
+        self.tiles8: tuple[torch.Tensor, ...] | None = None
 
     def add_packed_copy(self, rows: int) -> int:
         """Keep a copy of the weight widened to bf16 once, which steps of ``rows`` rows or
@@ -93,7 +102,9 @@ class QuantLinear(nn.Module):
         (2 cores, Zen 4, rows 16 / 32): head 2.1 / 4.0 ms a 65536-row quarter against 5.3 /
         7.2 widening each call and 2.6 / 4.1 for oneDNN's packed bf16; gate_up 0.12 / 0.23
         against 0.19 / 0.30 and 0.11 / 0.21. Elsewhere (AVX-512 without BF16) it is a bf16
-        weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16).
+        weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16). Beside
+        our tiles, a second copy at one byte a value (`cpu_quant.int8_tiles`) serves steps
+        of up to INT8_TILE_ROWS rows, where the read, not the multiply, is the cost.
 
         Returns:
             The copy's bytes.
@@ -102,7 +113,9 @@ class QuantLinear(nn.Module):
         _copies[0] += 1
         if self.kernel and cpu_quant.has_tiles():
             self.tiles = cpu_quant.quant_tiles(self.qw)
-            return sum(int(t.numel() * t.element_size()) for t in self.tiles)
+            if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
+                self.tiles8 = cpu_quant.int8_tiles(self.qw)
+            return sum(int(t.numel() * t.element_size()) for t in self.copies())
         dense = dequantize(self.qw, torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
         return int(self.packed.numel() * self.packed.element_size())
@@ -110,7 +123,7 @@ class QuantLinear(nn.Module):
     def copies(self) -> list[torch.Tensor]:
         """The tensors of the copy `add_packed_copy` made (none without one)."""
         if self.tiles is not None:
-            return list(self.tiles)
+            return [*self.tiles, *(self.tiles8 or ())]
         return [] if self.packed is None else [self.packed]
 
     @property
@@ -134,7 +147,9 @@ class QuantLinear(nn.Module):
         out: torch.Tensor
         copy = self.packed_rows is not None and rows >= self.packed_rows \
             and flat.dtype == torch.bfloat16
-        if copy and self.tiles is not None:
+        if copy and self.tiles8 is not None and rows <= INT8_TILE_ROWS:
+            out = cpu_quant.int8_tiles_linear(flat, self.tiles8, self.qw, self.bias)
+        elif copy and self.tiles is not None:
             out = cpu_quant.quant_linear_tiles(flat, self.tiles, self.qw, self.bias)
         elif copy and self.packed is not None:
             padded = bucket_rows(rows)
@@ -185,14 +200,18 @@ class QuantLinear(nn.Module):
                 out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
                                                        qw.bits, qw.group, bias, min(TILE_ROWS, 8))
                 return out
-        tiles, threshold = self.tiles, self.packed_rows
+        tiles, tiles8, threshold = self.tiles, self.tiles8, self.packed_rows
         if tiles is None or threshold is None:
             return few
 
         def either(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] >= threshold:
-                out: torch.Tensor = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n,
-                                                           bias)
+            rows = x.shape[0]
+            out: torch.Tensor
+            if rows >= threshold:
+                if tiles8 is not None and rows <= INT8_TILE_ROWS:
+                    out = ops.int8_tiles_linear(x, *tiles8, qw.bits, qw.group, n, bias)
+                else:
+                    out = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n, bias)
                 return out
             return few(x)
         return either
@@ -227,8 +246,9 @@ def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
                          "head is not quantized: it is already a bf16 or float32 GEMM)")
     _check_packable("--packed-head-rows", dtype, head.qweight.device)
     size = head.add_packed_copy(rows)
-    return (f"output head: a bf16 copy (widened once) for steps of >= {rows} rows "
-            f"(+{size / 2**20:.1f} MiB resident; fewer rows read the quantized weight)")
+    return (f"output head: a bf16 copy (widened once) for steps of >= {rows} rows"
+            f"{_one_byte([head])} (+{size / 2**20:.1f} MiB resident; fewer rows read the "
+            "quantized weight)")
 
 
 def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
@@ -249,8 +269,17 @@ def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
     _check_packable("--packed-rows", dtype, layers[0].qweight.device)
     size = sum(layer.add_packed_copy(rows) for layer in layers if layer.packed_rows is None)
     return (f"{len(layers)} quantized linears: bf16 copies (widened once) for steps of >= {rows} "
-            f"rows (+{size / 2**20:.1f} MiB resident; fewer rows read the quantized "
-            "weights)")
+            f"rows{_one_byte(layers)} (+{size / 2**20:.1f} MiB resident; fewer rows read the "
+            "quantized weights)")
+
+
+def _one_byte(layers: list[QuantLinear]) -> str:
+    """What the log says of the one-byte copies among ``layers``' copies."""
+    have = sum(layer.tiles8 is not None for layer in layers)
+    if not have:
+        return ""
+    which = "" if have == len(layers) else f" for {have} of them"
+    return f", and one byte a value{which} for steps of up to {INT8_TILE_ROWS} rows"
 
 
 # ``packed_rows="auto"`` (the served default): the row count from which the copies serve,
@@ -269,6 +298,14 @@ AUTO_MEMORY_SHARE = 0.25
 # step: 3 rows 28.4 / 26.5 ms (1.07), 4 rows 29.8 / 28.9 (1.03), 5 rows 32.6 / 35.5
 # (0.92), 6 rows 35.1-36.0 / 40.1-40.7 (0.88), 7 rows 43.1 / 48.9 (0.88) (2026-12-04).
 AUTO_PACKED_HEAD_ROWS = 5
+# Both under "auto" where the build has the one-byte copies (`cpu_quant.has_int8_tiles`):
+# from 2 rows every quantized linear, head included, multiplies by them (up to
+# INT8_TILE_ROWS, then by the bf16 tiles). One engine, steps alternating (layers from 8 and
+# head from 5 / both from 2 or 3, median ms): 2 rows 17.6 / 15.1, 4 rows 28.7 / 23.8, 6
+# rows 30.5 / 26.2; from 1 row 17.3 against 17.0 from 3 (the one-row path stays). Served at
+# concurrency 8 (16 prompts of 128 tokens, 128 out), with and without the one-byte copies,
+# two rounds: 159 / 142 and 186 / 167 tok/s (Zen 4, 2026-12-04).
+AUTO_INT8_ROWS = 2
 
 
 def available_memory() -> int | None:
@@ -294,13 +331,16 @@ def available_memory() -> int | None:
 
 def auto_head_rows(model: nn.Module) -> int | None:
     """The head's row count under ``packed_rows="auto"`` (where auto packs the layers):
-    AUTO_PACKED_HEAD_ROWS for a quantized head, else None."""
-    return AUTO_PACKED_HEAD_ROWS if isinstance(getattr(model, "lm_head", None),
-                                               QuantLinear) else None
+    AUTO_INT8_ROWS where the one-byte copies are, else AUTO_PACKED_HEAD_ROWS, for a
+    quantized head; None for another head."""
+    if not isinstance(getattr(model, "lm_head", None), QuantLinear):
+        return None
+    return AUTO_INT8_ROWS if cpu_quant.has_int8_tiles() else AUTO_PACKED_HEAD_ROWS
 
 
 def auto_packed_rows(model: nn.Module, dtype: torch.dtype) -> tuple[int | None, str]:
-    """``packed_rows="auto"``: (AUTO_PACKED_ROWS or None, why), for the log. On where the
+    """``packed_rows="auto"``: (AUTO_INT8_ROWS where the one-byte copies are, else
+    AUTO_PACKED_ROWS, or None; why), for the log. On where the
     copies would be the kernels' own bf16 tiles (the path measured faster) and fit in
     AUTO_MEMORY_SHARE of the available memory."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -310,13 +350,16 @@ def auto_packed_rows(model: nn.Module, dtype: torch.dtype) -> tuple[int | None, 
         return None, "needs bf16 activations on the CPU"
     if not (layers[0].kernel and cpu_quant.has_tiles()):
         return None, "this CPU class has no bf16 tiles (AVX512-BF16 or AMX)"
-    need = sum(2 * m.in_features * m.out_features for m in layers)
+    # bf16 tiles (2 bytes a value) and, for steps up to INT8_TILE_ROWS, one-byte tiles
+    need = sum((3 if cpu_quant.has_int8_tiles() else 2) * m.in_features * m.out_features
+               for m in layers)
     free = available_memory()
     if free is None or need > AUTO_MEMORY_SHARE * free:
         have = "unknown" if free is None else f"{free / 2**20:.0f} MiB"
         return None, (f"the copies (~{need / 2**20:.0f} MiB) would take more than "
                       f"{AUTO_MEMORY_SHARE:.0%} of the memory available ({have})")
-    return AUTO_PACKED_ROWS, (f"copies ~{need / 2**20:.0f} MiB, within "
+    rows = AUTO_INT8_ROWS if cpu_quant.has_int8_tiles() else AUTO_PACKED_ROWS
+    return rows, (f"copies ~{need / 2**20:.0f} MiB, within "
                               f"{AUTO_MEMORY_SHARE:.0%} of {free / 2**20:.0f} MiB available")
 
 
