@@ -283,3 +283,23 @@ def test_first_calls_from_many_threads_at_once() -> None:
         "print(len(bad), ops.kernel_threads()[2])\n")
     bad, jobs = map(int, _run(code, {}, timeout=120).split()[-2:])
     assert bad == 0 and jobs == 8 * 20  # every call ran on the one pool that won
+
+
+_BACK_TO_BACK = (
+    "import torch\n"
+    "torch.set_num_threads(3)\n"
+    "from ringserve.kernels import cpu_build\n"
+    "assert cpu_build.available()\n"
+    "ops = cpu_build.ops()\n"
+    "for i in range(20000):\n"
+    "    n = 2 + i % 5\n"
+    "    assert ops.pool_selftest(n, 1, 0, -1) == n * (n - 1) // 2, i\n"
+    "print('ok')\n")
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_back_to_back_jobs_while_workers_are_late(mode: str) -> None:
+    """Chunks are claimed by whoever runs: with sleeping workers the caller often ends a
+    tiny job alone before they wake, and a worker that wakes for an ended job must claim
+    nothing of the next one (20,000 jobs of 2-6 one-index chunks, three threads)."""
+    assert _run(_BACK_TO_BACK, {"RINGSERVE_KERNEL_SPIN": mode}, timeout=300).strip() == "ok"
