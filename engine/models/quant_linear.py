@@ -9,6 +9,9 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
   (decode) read the packed weight once and widen it in registers; many rows (prefill,
   large batches) widen it block by block into cache-sized bf16 tiles, where arithmetic,
   not the weight read, is the cost.
+- with `--packed-rows` (served default: auto), copies made once at start: steps of 2-16
+  rows multiply by a one-byte copy in the tiles' layout against x rounded to int16 blocks
+  (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by the bf16 tiles (`add_packed_copy`).
 - float32 or bf16 activations on any other CPU, AVX2 and aarch64 included
   (`kernels/csrc/compact_gemm.cpp`): the same two shapes with float32 FMA.
 - float32 activations rounded to int16 blocks of 32 values (`int16_acts`, the default on
