@@ -107,14 +107,30 @@ void run(const Args& a, const at::Tensor& query, const at::Tensor& key,
   const auto first = [&](int64_t i, int64_t h) { return (tok[i] * a.kv_heads * g + h * g) * d; };
   const int64_t parts = parts_of(a, items, ctx, n);
   if (parts == 1) {
+    // Each item's rows are found one item ahead, and asked for while the item before is
+    // multiplied (`Ahead`): a thread's chunk is consecutive items.
     ringserve::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      Scratch<C> t;
+      Scratch<C> both[2];
+      const auto rows_of = [&](int64_t w, Scratch<C>& t) {
+        const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
+        return window_rows<T, C>(a, seq[i], h, k, v, kc, vc, tb, tok[i], ctx[i], t.fresh,
+                                 t.krows, t.vrows);
+      };
+      int64_t len = rows_of(begin, both[0]);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t i = w / a.kv_heads, h = w % a.kv_heads;
-        const int64_t len = window_rows<T, C>(a, seq[i], h, k, v, kc, vc, tb, tok[i], ctx[i],
-                                              t.fresh, t.krows, t.vrows);
+        Scratch<C>& t = both[(w - begin) % 2];
+        Ahead<C> next;
+        if (w + 1 < end) {
+          Scratch<C>& u = both[(w + 1 - begin) % 2];
+          next.len = rows_of(w + 1, u);
+          next.k = u.krows.data();
+          next.v = u.vrows.data();
+          next.d = d;
+        }
         attend_row(a, h, q + first(i, h), t.krows.data(), t.vrows.data(), len, o + first(i, h),
-                   t.scores, t.qbuf, t.acc);
+                   t.scores, t.qbuf, t.acc, w + 1 < end ? &next : nullptr, w > begin);
+        len = next.len;
       }
     });
     return;
