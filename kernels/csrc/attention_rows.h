@@ -111,6 +111,18 @@ inline void value_row(float* acc, const float* p, int64_t stride, const T* v, in
   axpys(acc, p, stride, v, g, d);
 }
 
+// Asks for the lines of one cache row ahead of its use (the window is read from memory:
+// a layer's cache of many sequences is far larger than the caches): hint 0 into L1, else
+// into L2 (GCC's locality 3 / 2: prefetcht0 / prefetcht1 on x86; portable builds too).
+template <typename C>
+inline void prefetch_row(const C* row, int64_t d, int hint) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(C)); b += 64) {
+    if (hint == 0) __builtin_prefetch(p + b, 0, 3);
+    else __builtin_prefetch(p + b, 0, 2);
+  }
+}
+
 // The K and V rows of the work item after this one (paged_decode.cpp: the next (sequence,
 // kv head) of the thread's chunk), asked for into L2 a few at a time while this item is
 // multiplied: without it an item's rows came from memory while its multiplies waited, and
@@ -123,15 +135,10 @@ struct Ahead {
   const C* const* k = nullptr;
   const C* const* v = nullptr;
   int64_t len = 0, d = 0, asked = 0;
-  void row(const C* r) const {  // into L2 (locality 2: _MM_HINT_T1 on x86)
-    const char* p = reinterpret_cast<const char*>(r);
-    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(C)); b += 64)
-      __builtin_prefetch(p + b, 0, 2);
-  }
   void upto(int64_t i) {
     for (i = std::min(i, len); asked < i; ++asked) {
-      row(k[asked]);
-      row(v[asked]);
+      prefetch_row(k[asked], d, 1);
+      prefetch_row(v[asked], d, 1);
     }
   }
 };
@@ -221,17 +228,6 @@ struct Tile {
   static constexpr int DC = G >= 8 ? 1 : (G == 4 ? 2 : (G == 2 ? 4 : 6));
 #endif
 };
-
-// Asks for the lines of one cache row ahead of its use (the window is read from memory:
-// a layer's cache of many sequences is far larger than the caches).
-template <typename C>
-inline void prefetch_row(const C* row, int64_t d, int hint) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(C)); b += 64) {
-    if (hint == 0) _mm_prefetch(p + b, _MM_HINT_T0);
-    else _mm_prefetch(p + b, _MM_HINT_T1);
-  }
-}
 
 // `next`: the next item's rows, an eighth of them asked for over this item's scores and the
 // rest over its values (`values_tiled`: L2-bound, memory idle); `asked`: this item's own
