@@ -44,19 +44,29 @@ def _args(url: str, concurrency: int, prompts: int, input_len: int, output_len: 
                               seed=seed, timeout=900.0, temperature=TEMPERATURE)
 
 
-def warm_up(url: str, concurrency: int) -> None:
+# NOTE: every load and warm-up on one server draws prompts none before it sent: with one
+# seed for all, each concurrency's first prompts were the previous load's, hit the prefix
+# cache (ringserve's and vLLM's are on by default) and skipped their prefills.
+def seed_of(concurrency: int, attempt: int, warm: bool = False) -> int:
+    """The prompts' seed of a load (or its warm-up) at `concurrency`, measured for the
+    `attempt`-th time (from 0) on one server."""
+    return (500_000 if warm else 0) + 1000 * attempt + concurrency
+
+
+def warm_up(url: str, concurrency: int, attempt: int = 0) -> None:
     """`concurrency` short requests at once, so the batch shapes of the load have been seen;
     raises when none of them succeeds."""
+    seed = seed_of(concurrency, attempt, warm=True)
     with contextlib.redirect_stdout(io.StringIO()):
         results, _ = asyncio.run(serve_bench.run(_args(url, concurrency, concurrency, 16, 8,
-                                                       seed=1)))
+                                                       seed=seed)))
     if not any(r.ok for r in results):
         raise RuntimeError(f"warm-up failed: {results[0].error}")
 
 
-def measure(url: str, concurrency: int, prompts: int) -> Measurement:
-    results, duration = asyncio.run(
-        serve_bench.run(_args(url, concurrency, prompts, INPUT_LEN, OUTPUT_LEN, seed=0)))
+def measure(url: str, concurrency: int, prompts: int, attempt: int = 0) -> Measurement:
+    results, duration = asyncio.run(serve_bench.run(_args(
+        url, concurrency, prompts, INPUT_LEN, OUTPUT_LEN, seed=seed_of(concurrency, attempt))))
     ok = [r for r in results if r.ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     errors = [r.error for r in results if not r.ok]

@@ -119,10 +119,10 @@ def measure(server: servers.Server, conc: int, prompts: int,
     `--retries` times) while other processes took more than 10% of the CPUs during it."""
     best: dict[str, Any] | None = None
     for attempt in range(1 + args.retries):
-        load.warm_up(servers.URL, conc)
+        load.warm_up(servers.URL, conc, attempt)
         machine_load.wait_quiet(server.pid, args.quiet_wait)
         with machine_load.OthersMeter(server.pid) as others:
-            m = load.measure(servers.URL, conc, prompts)
+            m = load.measure(servers.URL, conc, prompts, attempt)
         log(f"{server.row.name} conc {conc}: {m.output_tok_s:.1f} tok/s, "
             f"TPOT {m.tpot_ms:.1f} ms, TTFT p50 {m.ttft_p50_ms:.0f} ms; "
             f"others used {others.share:.0%} of the CPUs")
