@@ -53,6 +53,8 @@ def main() -> None:
                     "server's default) or off")
     ap.add_argument("--int16-activations", default="auto",
                     help="as `ringserve serve --int16-activations`")
+    ap.add_argument("--greedy-head", default="auto",
+                    help="as `ringserve serve --greedy-head`: auto or off")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
               kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
               packed_head_rows=args.packed_head_rows, packed_rows=_rows(args.packed_rows),
-              int16_activations=args.int16_activations)
+              int16_activations=args.int16_activations, greedy_head=args.greedy_head)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=total - args.context, temperature=0.0, ignore_eos=True)
@@ -93,7 +95,8 @@ def main() -> None:
     print(table)
     median = statistics.median(times)
     print(f"{args.model} {engine.dtype} {engine.quantization} batch {args.batch}, "
-          f"context {args.context}, packed rows {args.packed_rows}, "
+          f"context {args.context}, packed rows {args.packed_rows}, greedy head "
+          f"{args.greedy_head}, "
           f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
           f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "
           f"({args.batch / median:.1f} tok/s); the table covers {args.profile_steps} steps")

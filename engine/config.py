@@ -74,6 +74,12 @@ class EngineConfig:
             the kernels' own bf16 and one-byte tiles (AVX512-BF16 or AMX) and take at most
             a quarter of the memory available
             (`engine.models.quant_linear.auto_packed_rows`), else off.
+        greedy_head: "auto" or "off": greedy rows (temperature 0, no logprobs, nothing
+            that changes their logits) of steps of at least GREEDY_HEAD_ROWS rows take their
+            token from an int8 pass that bounds every logit and the exact logits of the few
+            rows that can be the maximum (`engine.models.greedy_head`; the same token, bit
+            for bit; a one-byte copy of the head, logged); "auto" = on where it can serve
+            (an int8 head, bf16 activations, AVX512-VNNI).
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
@@ -107,6 +113,7 @@ class EngineConfig:
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
     packed_rows: int | str | None = None
+    greedy_head: str = "auto"
     scheduling_policy: str = "fcfs"
     kv_events_config: str | dict[str, Any] | None = None
     max_model_len: int | None = None
@@ -135,6 +142,7 @@ class EngineConfig:
             ("packed_rows", self.packed_rows is None or self.packed_rows == "auto"
              or (isinstance(self.packed_rows, int) and self.packed_rows >= 1),
              "must be >= 1, \"auto\" (or None: off)"),
+            ("greedy_head", self.greedy_head in ("auto", "off"), "must be auto or off"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),
         ]

@@ -33,7 +33,9 @@ from ringserve.engine.kv_events import (
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
+from ringserve.engine.models.greedy_head import GREEDY_HEAD_ROWS, GreedyHead
 from ringserve.engine.models.quant_linear import (
+    QuantLinear,
     auto_head_rows,
     auto_packed_rows,
     pack_head_copy,
@@ -113,6 +115,7 @@ class LLMEngine:
                     logger.info("%s", pack(self.model, rows, self.dtype))
                 except ValueError as err:
                     raise InvalidRequestError(str(err), param=param) from None
+        greedy = self._greedy_head(config.greedy_head)
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())
         if self.device.type == "cpu":
@@ -142,7 +145,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, windows=[g.window for g in spec.groups],
                                   rings=list(self.kv.ring_blocks), block_size=spec.block_size,
                                   max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, device=self.device)
+                                  max_model_len=self.max_model_len, device=self.device,
+                                  greedy_head=greedy)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size,
                                             self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, structured=self.structured)
@@ -223,6 +227,22 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------
 
+    def _greedy_head(self, mode: str) -> GreedyHead | None:
+        """``greedy_head``: the output head's `GreedyHead` where "auto" finds it can serve;
+        logged either way."""
+        head = getattr(self.model, "lm_head", None)
+        why = "off" if mode == "off" else GreedyHead.can_serve(head, self.dtype)
+        if why is not None:
+            logger.info("greedy head off (%s)", why)
+            return None
+        assert isinstance(head, QuantLinear)
+        head.greedy = GreedyHead(head)
+        logger.info("greedy head: greedy rows of steps of >= %d rows pick from an int8 pass "
+                    "over a one-byte copy of the head and the exact logits of its candidates "
+                    "(+%.1f MiB resident)", GREEDY_HEAD_ROWS, head.greedy.nbytes() / 2**20)
+        greedy: GreedyHead = head.greedy
+        return greedy
+
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests it changed (and publishes the KV
         events it made, `--kv-events-config`).
@@ -258,11 +278,17 @@ class LLMEngine:
                 self._fail(request, err)
             return list({id(r): r for r in touched.values()}.values())
         rows: dict[int, tuple[int, int]] = {}  # id(item) -> its logits rows
-        row = 0
+        greedy: dict[int, int] = {}  # id(item) -> the token the greedy head picked
+        row = at = 0  # the step's row; the row of `logits` (which lacks the picked ones)
         for item in (i for i in scheduled if i.samples):
-            rows[id(item)] = (row, row + 1 + len(item.draft))
-            row += 1 + len(item.draft)
-        samplers = [i for i in scheduled if i.samples]
+            n = 1 + len(item.draft)
+            if row in self.runner.picked:
+                greedy[id(item)] = self.runner.picked[row]
+            else:
+                rows[id(item)] = (at, at + n)
+                at += n
+            row += n
+        samplers = [i for i in scheduled if i.samples and id(i) not in greedy]
         saved = self.sampler.save_state([i.seq for i in samplers])
         try:
             picked = self._sample(samplers, logits, rows)
@@ -270,6 +296,7 @@ class LLMEngine:
             logger.warning("sampling failed (%r); sampling each sequence apart", err)
             self.sampler.restore_state(saved)
             picked = self._sample_apart(samplers, logits, rows)
+        picked.update({key: ([token], [None]) for key, token in greedy.items()})
         elapsed = time.perf_counter() - started
         if self.config.max_prefill_slowdown is not None:
             chunks = [(i.num_new, i.seq.num_computed) for i in scheduled if i.seq.is_prefilling]

@@ -13,6 +13,7 @@ import torch
 
 from ringserve.engine.forward_batch import ForwardBatch, GroupTables
 from ringserve.engine.models import CausalLM, KVCaches
+from ringserve.engine.models.greedy_head import GREEDY_HEAD_ROWS, GreedyHead
 from ringserve.engine.scheduler import ScheduledSeq
 from ringserve.engine.sequence import PromptLogprob
 from ringserve.engine.step_plan import StepPlan
@@ -34,12 +35,18 @@ class ModelRunner:
         max_num_seqs: rows of the persistent block tables.
         max_model_len: the longest sequence (width of full-attention tables).
         device: where the model runs.
+        greedy_head: the output head's `GreedyHead`, or None: plain greedy rows then pick
+            from it (see `execute`).
     """
 
     def __init__(self, model: CausalLM, caches: KVCaches, *, windows: list[int | None],
                  rings: list[int | None], block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device,
+                 greedy_head: GreedyHead | None = None) -> None:
         self.model = model
+        self.greedy_head = greedy_head
+        # the last `execute`'s picks: logits row -> token, for rows it made no logits for
+        self.picked: dict[int, int] = {}
         self.caches = caches
         self.device = device
         self.windows = list(windows)
@@ -58,12 +65,39 @@ class ModelRunner:
             them), in the order of ``scheduled`` restricted to the entries whose `samples`
             is true: one row each, ``1 + len(draft)`` rows for a speculative decode;
             and, by sequence id, the prompt logprobs of this step's prompt positions for
-            sequences that ask for them (see `prompt_logprobs`).
+            sequences that ask for them (see `prompt_logprobs`). With a greedy head, the
+            rows of plain greedy sequences (`plain_greedy`) may be picked instead: then
+            `picked` maps those rows (numbered as above) to their tokens, and the logits
+            hold only the other rows, in the same order.
         """
         input_ids, batch = self.prepare(plan)
         hidden = self.model(input_ids, batch, self.caches)
-        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
+        rows = hidden[batch.logits_indices]
+        self.picked = {}
+        greedy = self._greedy_rows(scheduled)
+        if greedy:
+            tokens = self.greedy_head.pick(rows[greedy]) if self.greedy_head else None
+            if tokens is not None:
+                self.picked = dict(zip(greedy, tokens.tolist(), strict=True))
+                rest = [r for r in range(len(rows)) if r not in self.picked]
+                if not rest:  # nothing left for the head
+                    vocab = self.greedy_head.vocab  # type: ignore[union-attr]
+                    return rows.new_empty((0, vocab)), self.prompt_logprobs(scheduled, hidden)
+                rows = rows[rest]
+        logits = self.model.compute_logits(rows, upcast=False)
         return logits, self.prompt_logprobs(scheduled, hidden)
+
+    def _greedy_rows(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """The logits rows a greedy head would pick: plain greedy ones, when there are at
+        least GREEDY_HEAD_ROWS of them (else none)."""
+        if self.greedy_head is None:
+            return []
+        out, row = [], 0
+        for item in (i for i in scheduled if i.samples):
+            if not item.draft and plain_greedy(item):
+                out.append(row)
+            row += 1 + len(item.draft)
+        return out if len(out) >= GREEDY_HEAD_ROWS else []
 
     def prompt_logprobs(self, scheduled: list[ScheduledSeq],
                         hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:
@@ -137,3 +171,12 @@ class ModelRunner:
                          and plan.query_starts == list(range(len(plan.query_starts)))),
         )
         return torch.tensor(plan.input_ids, dtype=torch.int64).to(dev), batch
+
+
+def plain_greedy(item: ScheduledSeq) -> bool:
+    """Whether a sequence's token is its logits' first maximum and nothing else is read
+    from them: temperature 0, no logprobs, no grammar, nothing that changes the logits
+    (`SamplingParams.processes_logits`)."""
+    seq, params = item.seq, item.seq.params
+    return (params.greedy and not params.processes_logits and params.logprobs is None
+            and seq.grammar is None)

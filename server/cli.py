@@ -63,6 +63,9 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "take a second copy at one byte a parameter); auto: from 2 rows where the copies are "
      "the kernels' bf16 and one-byte tiles (AVX512-BF16/AMX) and fit in a quarter of the "
      "available memory; off"),
+    ("greedy-head", str, "auto or off: greedy rows of multi-row steps take their token from "
+     "an int8 pass over a one-byte copy of an int8 output head and the exact logits of the "
+     "few rows that can be the maximum (the same token; AVX512-VNNI CPUs; copy logged)"),
     ("kv-events-config", str, "vLLM's KV events, e.g. '{\"enable_kv_cache_events\": true, "
      "\"endpoint\": \"tcp://*:5557\"}': what the prefix cache stores and evicts, on a ZMQ "
      "PUB socket for a router (docs/metrics.md; default: off)"),

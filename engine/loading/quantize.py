@@ -259,6 +259,8 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
         if isinstance(module, QuantLinear) and module.tiles is not None:
             # widened copies beside the quantized weight (not buffers: see QuantLinear)
             resident += sum(t.numel() * t.element_size() for t in module.copies())
+        if isinstance(module, QuantLinear) and module.greedy is not None:
+            resident += module.greedy.nbytes()  # engine.models.greedy_head's copy
     return WeightBytes(resident, per_token)
 
 

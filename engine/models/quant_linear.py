@@ -93,6 +93,8 @@ class QuantLinear(nn.Module):
         self.tiles: tuple[torch.Tensor, ...] | None = None
         # The same values at one byte each, for steps of packed_rows..INT8_TILE_ROWS rows.
         self.tiles8: tuple[torch.Tensor, ...] | None = None
+        # An output head's `engine.models.greedy_head.GreedyHead`, where the engine made one.
+        self.greedy: Any = None
 
     def add_packed_copy(self, rows: int) -> int:
         """Keep a copy of the weight widened to bf16 once, which steps of ``rows`` rows or

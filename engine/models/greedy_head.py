@@ -1,0 +1,134 @@
+"""Greedy rows' tokens without the whole output head at full precision (docs/cpu.md, "The
+greedy head").
+
+A greedy row needs only its logits' first maximum. `kernels/csrc/greedy_head.cpp` runs an
+int8 pass over a one-byte copy of the head (`GreedyHead.pack`) that bounds every
+vocabulary row's exact logit and keeps the rows that can still be the maximum (a handful
+for a real model's hidden state); those are multiplied here through the head's own path
+(the same kernel call `QuantLinear.forward` makes for this many rows, on the candidate rows
+only: each output of those paths is one row's sum, whatever rows sit beside it). So the
+token is the full head's first maximum, bit for bit, for a fraction of its multiplies.
+
+Only for a quantized head without bias, on a build with AVX512-VNNI, where the head's path
+for the step's rows is one of our kernels (not oneDNN's packed GEMM), and for rows that take
+the plain first maximum (`engine.llm_engine` decides which).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.kernels import cpu_quant
+from ringserve.kernels.cpu_build import available, ops
+from ringserve.kernels.cpu_sample import first_max
+from ringserve.kernels.quant import QuantizedWeight, dequantize
+
+logger = logging.getLogger(__name__)
+
+TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
+# Steps with fewer greedy rows keep the full head: at one row it reads the same bytes at
+# the same speed, and the candidates' exact pass is then pure overhead.
+GREEDY_HEAD_ROWS = 2
+PACK_ROWS = 16384  # rows dequantized at a time while packing
+
+
+def supported() -> bool:
+    """Whether this process's kernel build has the int8 pass (AVX512-VNNI)."""
+    return available() and bool(ops().greedy_head_supported())
+
+
+class GreedyHead:
+    """The one-byte copy of a quantized head and the pick over it.
+
+    Args:
+        head: the model's quantized output head.
+    """
+
+    def __init__(self, head: QuantLinear) -> None:
+        self.head = head
+        self.vocab, self.k = head.out_features, head.in_features
+        self._pack(head.qw)
+
+    @staticmethod
+    def can_serve(head: object, dtype: torch.dtype) -> str | None:
+        """None where `GreedyHead(head)` can serve a model running in ``dtype``, else why
+        not (for the log)."""
+        if dtype != torch.bfloat16:
+            return "needs bf16 activations"
+        if not isinstance(head, QuantLinear) or head.bits != 8:
+            return "the output head is not int8-quantized"
+        if head.bias is not None:
+            return "the output head has a bias"
+        if head.packed is not None:
+            return "the head's large steps run oneDNN's GEMM"
+        if not head.kernel or head.qweight.device.type != "cpu":
+            return "no compiled kernel serves the head"
+        if head.in_features % 4:
+            return "the head's width is not a multiple of 4"
+        if not supported():
+            return "this CPU class has no AVX512-VNNI"
+        return None
+
+    def nbytes(self) -> int:
+        return sum(int(t.numel() * t.element_size()) for t in (self.tiles, self.scales, self.norms))
+
+    def _pack(self, qw: QuantizedWeight) -> None:
+        """The copy `greedy_head.cpp` reads: tiles [T, k * 16] uint8 of q + 128 in tiles of
+        16 rows x 4 values, scales [T, groups * 16] float32, norms [T * 16] float32
+        (||w_r||, rounded up); T = ceil(vocab / 16)."""
+        n, k, group = self.vocab, self.k, qw.group
+        count = -(-n // TILE)
+        tiles = torch.full((count * TILE, k), 128, dtype=torch.uint8)
+        scales = torch.zeros(count * TILE, k // group, dtype=torch.float32)
+        norms = torch.zeros(count * TILE, dtype=torch.float32)
+        tiles[:n] = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)
+        scales[:n] = qw.scales.float()
+        for lo in range(0, n, PACK_ROWS):
+            hi = min(n, lo + PACK_ROWS)
+            w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
+            norms[lo:hi] = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
+        # [rows, k] -> [T, k / 4, 16, 4]; [rows, groups] -> [T, groups, 16]
+        self.tiles = tiles.view(count, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous() \
+            .view(count, k * TILE)
+        self.scales = scales.view(count, TILE, k // group).permute(0, 2, 1).contiguous() \
+            .view(count, -1)
+        self.norms = norms
+        self.group = group
+
+    def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index int32, offsets int64 [m + 1]): the vocabulary rows that may hold each x
+        row's maximum, ascending (`greedy_head.cpp`)."""
+        index, offsets = ops().greedy_head_candidates(x.contiguous(), self.tiles, self.scales,
+                                                      self.norms, self.group, self.vocab)
+        return index, offsets
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each bf16 row's first maximum of ``head(x)``, int64 [m]; None where this cannot
+        answer (a non-finite value in x: the full head's pick handles NaN its own way)."""
+        if x.dtype != torch.bfloat16 or not bool(torch.isfinite(x).all()):
+            return None
+        index, _ = self.candidates(x)
+        union = torch.unique(index.long())
+        exact = self._exact(x, union)
+        # every first maximum of a row is among its own candidates, and the union's other
+        # rows hold exact logits too, so the union's first maximum is the row's
+        out: torch.Tensor = union[first_max(exact)]
+        return out
+
+    def _exact(self, x: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
+        """head(x)[:, union], through the call `QuantLinear.forward` makes for ``len(x)``
+        rows, over the union's rows alone."""
+        head = self.head
+        sub = QuantLinear(head.qw.rows(union), None)
+        sub.kernel, sub.int16_acts = head.kernel, head.int16_acts
+        if head.packed_rows is not None and len(x) >= head.packed_rows:
+            sub.packed_rows = head.packed_rows
+            if head.tiles8 is not None:
+                sub.tiles8 = cpu_quant.int8_tiles(sub.qw)
+            if head.tiles is not None:
+                sub.tiles = cpu_quant.quant_tiles(sub.qw)
+        out: torch.Tensor = sub(x)
+        return out

@@ -1,0 +1,381 @@
+// Greedy decoding's output head without multiplying the whole head at full precision
+// (docs/cpu.md, "The greedy head").
+//
+// A greedy row only needs its first maximum. An approximate pass over the int8 head (its own
+// values q and group scales, exact) against x rounded to int8 at one scale a row gives each
+// vocabulary row r a value a_r with
+//
+//     |sum_d w_rd x_d - a_r| <= ||w_r|| ||x - x^||       (Cauchy-Schwarz; x^: x as rounded)
+//
+// widened by the exact path's own float and bf16 rounding: b_r. Every r whose exact logit
+// can reach the largest lower bound, a_r + b_r >= max_s (a_s - b_s), is a candidate; every
+// first maximum of the exact logits is among them. The caller multiplies only the
+// candidates exactly, through the head's own path, so its pick is the full head's, bit for
+// bit. The batch's kOut largest dims (a hidden state's few huge values would set the scale
+// of every other) are left out of the rounding and multiplied in float.
+//
+// The multiply is vpdpbusd: 64 one-byte products a vector, twice dpbf16's 32, reading one
+// byte a weight (the bf16 copy large steps read is two). The copy holds q + 128 as unsigned
+// bytes in tiles of 16 rows x 4 values (a lane's four bytes are one row's four values), x
+// rides as the signed, broadcast operand; each group's sums start at -128 * sum(x digits),
+// which takes off what the offset adds.
+
+#include <ATen/ATen.h>
+#if defined(__AVX512VNNI__)
+#include <immintrin.h>
+#endif
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "ops.h"
+#include "thread_pool.h"
+
+#include "bf16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 16;     // vocabulary rows a tile: one vector of int32 sums
+constexpr int64_t kOut = 8;       // the batch's largest dims, multiplied in float apart
+constexpr int64_t kBlock = 8;     // x rows a pass over a tile
+constexpr int64_t kChunks = 64;   // work items of the vocabulary (their lists are merged)
+constexpr size_t kCompact = 4096; // a chunk's list is filtered again past this many
+
+// One x row, rounded: int8 digits at one scale with the batch's kOut dims zeroed (those are
+// multiplied in float), the offsets the unsigned weights add (-128 * the digits' sum, a
+// group at a time), and what the bound needs.
+struct XRow {
+  std::vector<int32_t> main;    // k / 4 quads of 4 signed bytes
+  std::vector<int32_t> offset;  // per group: -128 * sum of its digits
+  std::vector<float> outs;      // x at the batch's outlier dims
+  float scale = 0.f;
+  // ||x - x^|| widened by room for the exact path's own errors: its float sums (k terms,
+  // each product exact: 2^-12 ||x|| in norm, a few times over), the int16 blocks x is
+  // rounded to on the one-byte path (2^-16 sqrt(k) max|x|, twice over); the bf16 its
+  // logits are rounded to (2^-9 of the value) is the kernel's 2^-8 (|a_r| + b_r).
+  float room = 0.f;
+};
+
+XRow round_row(const c10::BFloat16* x, int64_t k, int64_t group,
+               const std::vector<int64_t>& dims) {
+  XRow r;
+  std::vector<double> v(static_cast<size_t>(k));
+  for (int64_t d = 0; d < k; ++d) v[d] = static_cast<double>(static_cast<float>(x[d]));
+  std::vector<bool> out(static_cast<size_t>(k), false);
+  for (int64_t d : dims) {
+    out[d] = true;
+    r.outs.push_back(static_cast<float>(v[d]));
+  }
+  double top = 0, all = 0, norm2 = 0;
+  for (int64_t d = 0; d < k; ++d) {
+    if (!out[d]) top = std::max(top, std::abs(v[d]));
+    all = std::max(all, std::abs(v[d]));
+    norm2 += v[d] * v[d];
+  }
+  // NOTE: the rounding done with the float scale the kernel multiplies by, so that the
+  // error measured below is the one its sums carry.
+  r.scale = static_cast<float>(top / 127.0);
+  const double s = r.scale;
+  std::vector<int8_t> q(static_cast<size_t>(k), 0);
+  double err2 = 0;
+  for (int64_t d = 0; d < k; ++d) {
+    if (out[d]) continue;
+    const double n = s > 0 ? std::nearbyint(v[d] / s) : 0.0;
+    q[d] = static_cast<int8_t>(std::max(-127.0, std::min(127.0, n)));
+    const double e = v[d] - static_cast<double>(q[d]) * s;
+    err2 += e * e;
+  }
+  r.main.resize(static_cast<size_t>(k / 4));
+  for (int64_t p = 0; p < k / 4; ++p) {
+    uint32_t u = 0;
+    for (int i = 0; i < 4; ++i)
+      u |= static_cast<uint32_t>(static_cast<uint8_t>(q[p * 4 + i])) << (8 * i);
+    r.main[p] = static_cast<int32_t>(u);
+  }
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t sum = 0;
+    for (int64_t d = g * group; d < (g + 1) * group; ++d) sum += q[d];
+    r.offset.push_back(-128 * sum);
+  }
+  // rounded up, so that the bound stays a bound
+  const double err = std::sqrt(err2) * (1 + 0x1p-8);
+  r.room = static_cast<float>((err + 0x1p-12 * std::sqrt(norm2) +
+                               0x1p-15 * std::sqrt(static_cast<double>(k)) * all) * (1 + 1e-6));
+  return r;
+}
+
+struct Found {
+  std::vector<int32_t> index;
+  std::vector<float> high;
+  float floor = -std::numeric_limits<float>::infinity();  // what the list was last cut by
+  size_t next = 64;  // cut again past this many
+
+  void compact() {
+    size_t n = 0;
+    for (size_t i = 0; i < index.size(); ++i)
+      if (high[i] >= floor) {
+        index[n] = index[i];
+        high[n] = high[i];
+        ++n;
+      }
+    index.resize(n);
+    high.resize(n);
+  }
+};
+
+struct Head {
+  const uint8_t* tiles;  // [T, k / 4, 16, 4]: q + 128
+  const float* scales;   // [T, groups, 16]
+  const float* norms;    // [T * 16]: ||w_r||, rounded up
+  int64_t k, group, vocab;
+};
+
+#if defined(__AVX512VNNI__)
+
+// acc += w (unsigned bytes) . x (four signed bytes, broadcast from memory).
+// NOTE: inline assembly for the embedded broadcast ({1to16}), where GCC emits a
+// vpbroadcastd of its own; measured no faster on Zen 4 (docs/cpu.md), kept as the one
+// instruction the loop needs.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// Rows [16 t, 16 t + 16) against x rows [m0, m0 + MB); lanes: those rows' largest lower
+// bounds so far, a lane each; outs: their values at the outlier dims, [kOut][kBlock].
+template <int MB>
+void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
+               const std::vector<int64_t>& dims, int64_t m0, std::vector<Found>& found,
+               __m512* lanes, const float* outs, const int32_t* digits, const int32_t* offsets) {
+  const int64_t k = h.k, groups = k / h.group, per_group = h.group / 4;
+  const uint8_t* tile = h.tiles + t * k * kRows;
+  // NOTE: the first pass over a tile asks for the next tile's lines, one for each it
+  // multiplies: the hottest instruction was the first vpdpbusd after each weight load
+  // (+10% in a copy of the loop streaming from memory; docs/cpu.md).
+  const uint8_t* ahead = m0 == 0 && t + 1 < (h.vocab + kRows - 1) / kRows ? tile + k * kRows : nullptr;
+  const float* sc = h.scales + t * groups * kRows;
+  // NOTE: the block's digits interleaved, [k / 4][kBlock] (and offsets [groups][kBlock]):
+  // one pointer for all rows, where a pointer a row took more registers than x86 has.
+  const int32_t* xq = digits;
+  const int32_t* xo = offsets;
+  __m512 f[MB];
+  for (int j = 0; j < MB; ++j) f[j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i a[MB];
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) a[j] = _mm512_set1_epi32(xo[g * kBlock + j]);
+    // NOTE: four quads at a time, unrolled: a loop of one quad a turn made GCC copy every
+    // sum between registers on each turn (and spill one).
+    const int64_t p1 = (g + 1) * per_group;
+    for (int64_t p = g * per_group; p < p1; p += 4) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + (p + u) * 64), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(tile + (p + u) * 64);
+#pragma GCC unroll 8
+        for (int j = 0; j < MB; ++j)
+          a[j] = dpbusd_bcast(a[j], w, xq + (p + u) * kBlock + j);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(sc + g * kRows);
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[j]), s, f[j]);
+  }
+  // NOTE: no call among the vector sums (a push_back there made GCC keep every sum on
+  // the stack); the lists are filled after.
+  float scale[MB], room[MB], floor[MB];
+  for (int j = 0; j < MB; ++j) {
+    scale[j] = xs[m0 + j].scale;
+    room[j] = xs[m0 + j].room;
+    floor[j] = found[m0 + j].floor;
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j) f[j] = _mm512_mul_ps(f[j], _mm512_set1_ps(scale[j]));
+  for (size_t o = 0; o < dims.size(); ++o) {  // the outlier dims, in float
+    const int64_t d = dims[o];
+    const __m512i w = _mm512_loadu_si512(tile + (d / 4) * 64);
+    const __m512i q = _mm512_sub_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(w, static_cast<unsigned>(8 * (d % 4))),
+                         _mm512_set1_epi32(0xFF)),
+        _mm512_set1_epi32(128));
+    const __m512 wd = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(sc + (d / h.group) * kRows));
+    const float* xo = outs + o * kBlock;
+#pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) f[j] = _mm512_fmadd_ps(wd, _mm512_set1_ps(xo[j]), f[j]);
+  }
+  const int64_t r0 = t * kRows;
+  const __mmask16 valid = h.vocab - r0 >= kRows
+                              ? static_cast<__mmask16>(0xFFFF)
+                              : static_cast<__mmask16>((1u << (h.vocab - r0)) - 1);
+  const __m512 n = _mm512_loadu_ps(h.norms + r0);
+  __mmask16 keeps[MB];
+  __m512 highs[MB];
+  bool any = false;
+#pragma GCC unroll 8
+  for (int j = 0; j < MB; ++j) {
+    const __m512 a = f[j];
+    // b = ||w_r|| ||x - x^|| plus room for the exact path's own errors (XRow::room)
+    const __m512 b = _mm512_fmadd_ps(
+        n, _mm512_set1_ps(room[j]),
+        _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-8f), _mm512_set1_ps(1e-4f)));
+    lanes[j] = _mm512_mask_max_ps(lanes[j], valid, lanes[j], _mm512_sub_ps(a, b));
+    highs[j] = _mm512_add_ps(a, b);
+    keeps[j] = _mm512_mask_cmp_ps_mask(valid, highs[j], _mm512_set1_ps(floor[j]), _CMP_GE_OQ);
+    any = any || keeps[j] != 0;
+  }
+  if (!any) return;
+  for (int j = 0; j < MB; ++j) {
+    __mmask16 keep = keeps[j];
+    if (keep == 0) continue;
+    Found& fd = found[m0 + j];
+    alignas(64) float hs[kRows];
+    _mm512_store_ps(hs, highs[j]);
+    while (keep != 0) {
+      const int i = __builtin_ctz(keep);
+      keep = static_cast<__mmask16>(keep & (keep - 1));
+      fd.index.push_back(static_cast<int32_t>(r0 + i));
+      fd.high.push_back(hs[i]);
+    }
+    // NOTE: the lanes' largest lower bound is reduced to the one floor the lists are cut
+    // by only now and then, not every tile
+    if (fd.index.size() > fd.next) {
+      fd.floor = _mm512_reduce_max_ps(lanes[j]);
+      fd.compact();
+      fd.next = std::max(kCompact, 2 * fd.index.size());
+    }
+  }
+}
+
+void tile_block(const Head& h, int64_t t, const std::vector<XRow>& xs,
+                const std::vector<int64_t>& dims, int64_t m0, int64_t mb,
+                std::vector<Found>& found, __m512* lanes, const float* outs,
+                const int32_t* digits, const int32_t* offsets) {
+  switch (mb) {
+    case 1: tile_rows<1>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 2: tile_rows<2>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 3: tile_rows<3>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 4: tile_rows<4>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 5: tile_rows<5>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 6: tile_rows<6>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    case 7: tile_rows<7>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+    default: tile_rows<8>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
+  }
+}
+
+#endif
+
+// x: [m, k] bf16; tiles: [T, k * 16] uint8 (T = ceil(vocab / 16)); scales: [T, groups * 16]
+// float32; norms: [T * 16] float32 (||w_r||, rounded up). Returns (index int32 [c], offsets
+// int64 [m + 1]): x row i's candidates, ascending, are index[offsets[i]:offsets[i+1]].
+std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Tensor& tiles,
+                                               const at::Tensor& scales, const at::Tensor& norms,
+                                               int64_t group, int64_t vocab) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "greedy_head_candidates: x must be contiguous bf16 [m, k]");
+  const int64_t m = x.size(0), k = x.size(1), count = (vocab + kRows - 1) / kRows;
+  TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0,
+              "greedy_head_candidates: group must be a multiple of 16 dividing k");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 2 &&
+                  tiles.size(0) == count && tiles.size(1) == k * kRows,
+              "greedy_head_candidates: tiles must be uint8 [ceil(vocab / 16), k * 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == count * (k / group) * kRows,
+              "greedy_head_candidates: scales must be float32 [tiles, groups * 16]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
+                  norms.numel() == count * kRows,
+              "greedy_head_candidates: norms must be float32 [tiles * 16]");
+  TORCH_CHECK(vocab < std::numeric_limits<int32_t>::max(), "greedy_head_candidates: vocab too large");
+#if defined(__AVX512VNNI__)
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  // the batch's outlier dims: the kOut largest of max |x| over its rows
+  std::vector<float> top(static_cast<size_t>(k), 0.f);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t d = 0; d < k; ++d)
+      top[d] = std::max(top[d], std::abs(static_cast<float>(xp[i * k + d])));
+  std::vector<int64_t> dims(static_cast<size_t>(k));
+  std::iota(dims.begin(), dims.end(), 0);
+  const int64_t n_out = std::min(kOut, k);
+  std::partial_sort(dims.begin(), dims.begin() + n_out, dims.end(),
+                    [&](int64_t a, int64_t b) { return top[a] > top[b]; });
+  dims.resize(static_cast<size_t>(n_out));
+  std::vector<XRow> xs;
+  xs.reserve(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) xs.push_back(round_row(xp + i * k, k, group, dims));
+  const Head h{tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), norms.data_ptr<float>(),
+               k, group, vocab};
+  const int64_t chunks = std::min(kChunks, count);
+  std::vector<std::vector<Found>> parts(static_cast<size_t>(chunks),
+                                        std::vector<Found>(static_cast<size_t>(m)));
+  const int64_t blocks = (m + kBlock - 1) / kBlock;
+  std::vector<float> outs(static_cast<size_t>(blocks * kOut * kBlock), 0.f);
+  for (int64_t i = 0; i < m; ++i)
+    for (size_t o = 0; o < dims.size(); ++o)
+      outs[(i / kBlock) * kOut * kBlock + o * kBlock + i % kBlock] = xs[i].outs[o];
+  const int64_t quads = k / 4, groups = k / group;
+  std::vector<int32_t> digits(static_cast<size_t>(blocks * quads * kBlock), 0),
+      starts(static_cast<size_t>(blocks * groups * kBlock), 0);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t b = i / kBlock, j = i % kBlock;
+    for (int64_t p = 0; p < quads; ++p) digits[(b * quads + p) * kBlock + j] = xs[i].main[p];
+    for (int64_t g = 0; g < groups; ++g) starts[(b * groups + g) * kBlock + j] = xs[i].offset[g];
+  }
+  ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<__m512> lanes(static_cast<size_t>(m));
+    for (int64_t c = c0; c < c1; ++c) {
+      std::fill(lanes.begin(), lanes.end(), _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+      const int64_t t0 = count * c / chunks, t1 = count * (c + 1) / chunks;
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < m; i += kBlock)
+          tile_block(h, t, xs, dims, i, std::min(kBlock, m - i), parts[c], lanes.data() + i,
+                     outs.data() + (i / kBlock) * kOut * kBlock,
+                     digits.data() + (i / kBlock) * quads * kBlock,
+                     starts.data() + (i / kBlock) * groups * kBlock);
+      for (int64_t i = 0; i < m; ++i)
+        parts[c][i].floor = std::max(parts[c][i].floor, _mm512_reduce_max_ps(lanes[i]));
+    }
+  });
+  auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
+  int64_t* op = offsets.data_ptr<int64_t>();
+  std::vector<int32_t> all;
+  op[0] = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    float floor = -std::numeric_limits<float>::infinity();
+    for (const auto& part : parts) floor = std::max(floor, part[i].floor);
+    for (auto& part : parts) {
+      const Found& f = part[i];
+      for (size_t j = 0; j < f.index.size(); ++j)
+        if (f.high[j] >= floor) all.push_back(f.index[j]);
+    }
+    op[i + 1] = static_cast<int64_t>(all.size());
+  }
+  auto index = at::empty({static_cast<int64_t>(all.size())}, x.options().dtype(at::kInt));
+  std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
+  return {index, offsets};
+#else
+  TORCH_CHECK(false, "greedy_head_candidates: this build has no AVX512-VNNI");
+#endif
+}
+
+bool greedy_head_supported() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
+  m.def("greedy_head_candidates(Tensor x, Tensor tiles, Tensor scales, Tensor norms, int group, "
+        "int vocab) -> Tensor[]");
+  m.def("greedy_head_supported() -> bool", &greedy_head_supported);
+}
+
+RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("greedy_head_candidates", &greedy_head_candidates); }

@@ -1,0 +1,154 @@
+"""``greedy_head``: greedy rows' tokens from an int8 pass that bounds every logit plus the
+exact logits of the candidates (`engine.models.greedy_head`, `kernels/csrc/greedy_head.cpp`).
+
+The claim is exactness: the token is the first maximum of the full head's own logits, bit
+for bit, for every row count (each count takes another path of the head: one-row GEMV,
+one-byte tiles, bf16 tiles). References: the head's own forward with `first_max`, and a
+float64 matmul of the dequantized weight for the bound itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+from ringserve.engine import LLM, InvalidRequestError, SamplingParams
+from ringserve.engine.models import greedy_head
+from ringserve.engine.models.greedy_head import GreedyHead
+from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.kernels import cpu_isa, cpu_quant
+from ringserve.kernels.cpu_sample import first_max
+from ringserve.kernels.quant import dequantize, quantize_int8
+from tests.tiny_models import make_checkpoint, random_tokens
+
+vnni = pytest.mark.skipif(
+    not greedy_head.supported(),
+    reason="the greedy head's int8 pass needs AVX512-VNNI (the avx512_bf16 kernels), which "
+    "this CPU (or its RINGSERVE_CPU_ISA cap) lacks")
+
+
+def _head(vocab: int, k: int, packed: int | None, seed: int = 0) -> QuantLinear:
+    torch.manual_seed(seed)
+    weight = torch.randn(vocab, k) * 0.05
+    weight[:, 3] *= 8  # a column of large weights, as real heads have
+    head = QuantLinear(quantize_int8(weight, 32), None)
+    if packed is not None and cpu_quant.has_tiles():
+        head.add_packed_copy(packed)
+    return head
+
+
+def _hidden(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows like a final norm's output: mostly small values and a few huge ones (which
+    the kernel keeps apart), in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, 7] = 60 + torch.rand(m, generator=g) * 30
+    x[:, 40] = -45
+    return x.to(torch.bfloat16)
+
+
+@vnni
+@pytest.mark.parametrize("packed", [None, 2])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 33])
+def test_the_pick_is_the_full_heads_first_maximum(m: int, packed: int | None) -> None:
+    head = _head(1003, 128, packed)  # 1003: the last tile is partly past the vocabulary
+    picker = GreedyHead(head)
+    for seed in range(4):
+        x = _hidden(m, 128, seed)
+        full = head(x)
+        got = picker.pick(x)
+        assert got is not None and torch.equal(got, first_max(full))
+        index, offsets = picker.candidates(x)
+        dense = x.double() @ dequantize(head.qw).double().T
+        for i in range(m):
+            mine = index[offsets[i] : offsets[i + 1]].long()
+            assert torch.equal(mine, mine.sort().values) and len(mine) < 1003
+            # every float64 maximum, and every row the full head ties at its maximum
+            assert set(torch.nonzero(dense[i] == dense[i].max()).flatten().tolist()) <= set(
+                mine.tolist())
+            assert set(torch.nonzero(full[i] == full[i].max()).flatten().tolist()) <= set(
+                mine.tolist())
+
+
+@vnni
+def test_ties_go_to_the_first_row_as_the_full_head_breaks_them() -> None:
+    head = _head(600, 64, None, seed=1)
+    qw = head.qw
+    # rows 11 and 500 identical, and the largest for an x of their signs
+    signs = torch.where(torch.arange(64) % 3 == 0, -1, 1)
+    for r in (11, 500):
+        qw.qweight[r] = (signs * 120).to(torch.int8)
+        qw.scales[r] = qw.scales.max()
+    head = QuantLinear(qw, None)
+    if cpu_quant.has_tiles():
+        head.add_packed_copy(2)
+    x = (signs.float() * torch.tensor([[1.0], [2.0], [0.5]])).to(torch.bfloat16)
+    picker = GreedyHead(head)
+    want = first_max(head(x))
+    assert want.tolist() == [11, 11, 11]
+    got = picker.pick(x)
+    assert got is not None and torch.equal(got, want)
+
+
+@vnni
+def test_a_row_with_nan_is_left_to_the_full_head() -> None:
+    head = _head(200, 64, None)
+    x = _hidden(2, 64, 0)
+    x[1, 5] = float("nan")
+    assert GreedyHead(head).pick(x) is None
+
+
+def test_it_serves_only_what_it_can_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    head = _head(64, 64, None)
+    assert "bf16" in (GreedyHead.can_serve(head, torch.float32) or "")
+    assert "int8" in (GreedyHead.can_serve(torch.nn.Linear(64, 64), torch.bfloat16) or "")
+    real = cpu_isa.info()  # as an AVX2-only CPU runs
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
+    assert "AVX512-VNNI" in (GreedyHead.can_serve(head, torch.bfloat16) or "")
+
+
+def test_a_bad_value_is_refused_naming_the_option(tmp_path: pathlib.Path) -> None:
+    path = make_checkpoint("gemma3_text", tmp_path)
+    with pytest.raises(InvalidRequestError) as err:
+        LLM(str(path), greedy_head="always", kv_cache_memory="4MiB", max_model_len=64)
+    assert err.value.param == "greedy_head"
+
+
+@vnni
+def test_the_engine_emits_the_same_tokens_with_and_without_it(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Greedy rows beside rows that sample, report logprobs or change their logits: every
+    sequence's tokens (and logprobs) as with the full head, and the greedy rows were picked."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    prompts = [{"prompt_token_ids": random_tokens(12 + i, seed=i)} for i in range(8)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 5 + [
+        SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.5,
+                       ignore_eos=True)]
+    runs = {}
+    for mode in ("auto", "off"):
+        with caplog.at_level(logging.INFO, logger="ringserve.engine"):
+            llm = LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows="auto",
+                      greedy_head=mode, kv_cache_memory="8MiB", max_model_len=64)
+        runner = llm.engine.runner
+        picks: list[int] = []
+
+        def counting(plan: object, scheduled: object, execute: Any = runner.execute,
+                     runner: Any = runner, picks: list[int] = picks) -> object:
+            out = execute(plan, scheduled)
+            picks.append(len(runner.picked))
+            return out
+
+        runner.execute = counting  # type: ignore[method-assign,assignment]
+        outs = llm.generate(prompts, params)
+        runs[mode] = ([o.outputs[0].token_ids for o in outs],
+                      [o.outputs[0].logprobs for o in outs], max(picks))
+    assert runs["auto"][:2] == runs["off"][:2]
+    assert runs["auto"][2] == 5 and runs["off"][2] == 0  # the five plain greedy rows
+    assert "greedy head: " in caplog.text and "greedy head off (off)" in caplog.text
