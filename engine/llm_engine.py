@@ -231,7 +231,12 @@ class LLMEngine:
         """``greedy_head``: the output head's `GreedyHead` where "auto" finds it can serve;
         logged either way."""
         head = getattr(self.model, "lm_head", None)
+        mcfg = self.model.config
         why = "off" if mode == "off" else GreedyHead.can_serve(head, self.dtype)
+        if why is None and (mcfg.final_softcap is not None or mcfg.logit_scale != 1.0):
+            # NOTE: the pick is the first maximum of the head's own output; a soft-cap or
+            # scale after it could round two logits to one value and move the first maximum
+            why = "the model soft-caps or scales its logits"
         if why is not None:
             logger.info("greedy head off (%s)", why)
             return None

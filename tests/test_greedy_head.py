@@ -32,11 +32,12 @@ vnni = pytest.mark.skipif(
     "this CPU (or its RINGSERVE_CPU_ISA cap) lacks")
 
 
-def _head(vocab: int, k: int, packed: int | None, seed: int = 0) -> QuantLinear:
+def _head(vocab: int, k: int, packed: int | None, seed: int = 0,
+          group: int = 32) -> QuantLinear:
     torch.manual_seed(seed)
     weight = torch.randn(vocab, k) * 0.05
     weight[:, 3] *= 8  # a column of large weights, as real heads have
-    head = QuantLinear(quantize_int8(weight, 32), None)
+    head = QuantLinear(quantize_int8(weight, group), None)
     if packed is not None and cpu_quant.has_tiles():
         head.add_packed_copy(packed)
     return head
@@ -53,10 +54,12 @@ def _hidden(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 @vnni
-@pytest.mark.parametrize("packed", [None, 2])
+@pytest.mark.parametrize(("packed", "group"), [(None, 32), (2, 32), (2, 16)])
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 33])
-def test_the_pick_is_the_full_heads_first_maximum(m: int, packed: int | None) -> None:
-    head = _head(1003, 128, packed)  # 1003: the last tile is partly past the vocabulary
+def test_the_pick_is_the_full_heads_first_maximum(m: int, packed: int | None,
+                                                  group: int) -> None:
+    # 1003: the last tile is partly past the vocabulary; group 16: GGUF's Q6_K
+    head = _head(1003, 128, packed, group=group)
     picker = GreedyHead(head)
     for seed in range(4):
         x = _hidden(m, 128, seed)
@@ -124,7 +127,8 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
         tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     """Greedy rows beside rows that sample, report logprobs or change their logits: every
     sequence's tokens (and logprobs) as with the full head, and the greedy rows were picked."""
-    path = make_checkpoint("gemma3_text", tmp_path)
+    # (gemma-3's own config has no final soft-cap; the tiny one's would turn the head off)
+    path = make_checkpoint("gemma3_text", tmp_path, overrides={"final_logit_softcapping": None})
     prompts = [{"prompt_token_ids": random_tokens(12 + i, seed=i)} for i in range(8)]
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 5 + [
         SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
@@ -152,3 +156,17 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
     assert runs["auto"][:2] == runs["off"][:2]
     assert runs["auto"][2] == 5 and runs["off"][2] == 0  # the five plain greedy rows
     assert "greedy head: " in caplog.text and "greedy head off (off)" in caplog.text
+
+
+@vnni
+def test_a_model_that_soft_caps_its_logits_keeps_the_full_head(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A soft-cap after the head could round two logits to one value, and the first
+    maximum is then the first of them, which the head's own maximum need not be."""
+    path = make_checkpoint("gemma2", tmp_path)
+    with caplog.at_level(logging.INFO, logger="ringserve.engine"):
+        llm = LLM(str(path), dtype="bfloat16", quantization="int8", kv_cache_memory="8MiB",
+                  max_model_len=64)
+    assert llm.engine.runner.greedy_head is None
+    assert "greedy head off (the model soft-caps or scales its logits)" in caplog.text
+
