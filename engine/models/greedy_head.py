@@ -16,17 +16,13 @@ the plain first maximum (`engine.llm_engine` decides which).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
 from ringserve.kernels import cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import QuantizedWeight, dequantize
-
-logger = logging.getLogger(__name__)
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
 # Steps with fewer greedy rows keep the full head: at one row it reads the same bytes at
@@ -125,10 +121,11 @@ class GreedyHead:
         sub = QuantLinear(head.qw.rows(union), None)
         sub.kernel, sub.int16_acts = head.kernel, head.int16_acts
         if head.packed_rows is not None and len(x) >= head.packed_rows:
+            # only the copy `forward` reads at this many rows, made for the union's rows
             sub.packed_rows = head.packed_rows
-            if head.tiles8 is not None:
+            if head.tiles8 is not None and len(x) <= INT8_TILE_ROWS:
                 sub.tiles8 = cpu_quant.int8_tiles(sub.qw)
-            if head.tiles is not None:
+            elif head.tiles is not None:
                 sub.tiles = cpu_quant.quant_tiles(sub.qw)
         out: torch.Tensor = sub(x)
         return out
