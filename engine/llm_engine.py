@@ -33,7 +33,7 @@ from ringserve.engine.kv_events import (
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
-from ringserve.engine.models.greedy_head import GREEDY_HEAD_ROWS, GreedyHead
+from ringserve.engine.models.greedy_head import GreedyHead
 from ringserve.engine.models.quant_linear import (
     QuantLinear,
     auto_head_rows,
@@ -244,7 +244,7 @@ class LLMEngine:
         head.greedy = GreedyHead(head)
         logger.info("greedy head: greedy rows of steps of >= %d rows pick from an int8 pass "
                     "over a one-byte copy of the head and the exact logits of its candidates "
-                    "(+%.1f MiB resident)", GREEDY_HEAD_ROWS, head.greedy.nbytes() / 2**20)
+                    "(+%.1f MiB resident)", head.greedy.min_rows, head.greedy.nbytes() / 2**20)
         greedy: GreedyHead = head.greedy
         return greedy
 

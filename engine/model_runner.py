@@ -13,7 +13,7 @@ import torch
 
 from ringserve.engine.forward_batch import ForwardBatch, GroupTables
 from ringserve.engine.models import CausalLM, KVCaches
-from ringserve.engine.models.greedy_head import GREEDY_HEAD_ROWS, GreedyHead
+from ringserve.engine.models.greedy_head import GreedyHead
 from ringserve.engine.scheduler import ScheduledSeq
 from ringserve.engine.sequence import PromptLogprob
 from ringserve.engine.step_plan import StepPlan
@@ -89,7 +89,7 @@ class ModelRunner:
 
     def _greedy_rows(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """The logits rows a greedy head would pick: plain greedy ones, when there are at
-        least GREEDY_HEAD_ROWS of them (else none)."""
+        least the head's `min_rows` of them (else none)."""
         if self.greedy_head is None:
             return []
         out, row = [], 0
@@ -97,7 +97,7 @@ class ModelRunner:
             if not item.draft and plain_greedy(item):
                 out.append(row)
             row += 1 + len(item.draft)
-        return out if len(out) >= GREEDY_HEAD_ROWS else []
+        return out if len(out) >= self.greedy_head.min_rows else []
 
     def prompt_logprobs(self, scheduled: list[ScheduledSeq],
                         hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:

@@ -3,7 +3,9 @@ exact logits of the candidates (`engine.models.greedy_head`, `kernels/csrc/greed
 
 The claim is exactness: the token is the first maximum of the full head's own logits, bit
 for bit, for every row count (each count takes another path of the head: one-row GEMV,
-one-byte tiles, bf16 tiles). References: the head's own forward with `first_max`, and a
+one-byte tiles, bf16 tiles, float32 rows' int16 blocks), in every kernel variant that has
+the pass (AVX512-VNNI's and AVX2's, through the `cpu_variant` fixture: an AVX-512 machine
+tests the AVX2 pass too). References: the head's own forward with `first_max`, and a
 float64 matmul of the dequantized weight for the bound itself.
 """
 
@@ -26,43 +28,51 @@ from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import dequantize, quantize_int8
 from tests.tiny_models import make_checkpoint, random_tokens
 
-vnni = pytest.mark.skipif(
-    not greedy_head.supported(),
-    reason="the greedy head's int8 pass needs AVX512-VNNI (the avx512_bf16 kernels), which "
-    "this CPU (or its RINGSERVE_CPU_ISA cap) lacks")
+# The variants whose build has the pass: every x86 one but the portable (conftest's
+# `cpu_variant`, restricted; on a CPU without AVX2 the list is empty).
+PASS_VARIANTS = [v for v in cpu_isa.runnable_variants() if v != "portable"]
+each_pass = pytest.mark.parametrize("cpu_variant", PASS_VARIANTS, indirect=True)
+
+# How the rows reach the head: bf16 activations, or float32 ones through the int16 blocks
+# (AVX2's default) or through the float32 FMA path.
+ROWS = ("bf16", "float32-int16", "float32")
 
 
-def _head(vocab: int, k: int, packed: int | None, seed: int = 0,
-          group: int = 32) -> QuantLinear:
+def _head(vocab: int, k: int, packed: int | None, seed: int = 0, group: int = 32,
+          rows: str = "bf16") -> QuantLinear:
     torch.manual_seed(seed)
     weight = torch.randn(vocab, k) * 0.05
     weight[:, 3] *= 8  # a column of large weights, as real heads have
     head = QuantLinear(quantize_int8(weight, group), None)
+    head.int16_acts = rows == "float32-int16"
     if packed is not None and cpu_quant.has_tiles():
         head.add_packed_copy(packed)
     return head
 
 
-def _hidden(m: int, k: int, seed: int) -> torch.Tensor:
+def _hidden(m: int, k: int, seed: int, rows: str = "bf16") -> torch.Tensor:
     """Rows like a final norm's output: mostly small values and a few huge ones (which
-    the kernel keeps apart), in bf16."""
+    the kernel keeps apart), in bf16 or float32."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * 2
     x[:, 7] = 60 + torch.rand(m, generator=g) * 30
     x[:, 40] = -45
-    return x.to(torch.bfloat16)
+    return x.to(torch.bfloat16 if rows == "bf16" else torch.float32)
 
 
-@vnni
-@pytest.mark.parametrize(("packed", "group"), [(None, 32), (2, 32), (2, 16)])
+@each_pass
+@pytest.mark.parametrize(("rows", "packed", "group"),
+                         [("bf16", None, 32), ("bf16", 2, 32), ("bf16", 2, 16),
+                          ("float32-int16", None, 32), ("float32-int16", None, 16),
+                          ("float32", None, 32)])
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 33])
-def test_the_pick_is_the_full_heads_first_maximum(m: int, packed: int | None,
-                                                  group: int) -> None:
+def test_the_pick_is_the_full_heads_first_maximum(cpu_variant: str, m: int, rows: str,
+                                                  packed: int | None, group: int) -> None:
     # 1003: the last tile is partly past the vocabulary; group 16: GGUF's Q6_K
-    head = _head(1003, 128, packed, group=group)
+    head = _head(1003, 128, packed, group=group, rows=rows)
     picker = GreedyHead(head)
     for seed in range(4):
-        x = _hidden(m, 128, seed)
+        x = _hidden(m, 128, seed, rows)
         full = head(x)
         got = picker.pick(x)
         assert got is not None and torch.equal(got, first_max(full))
@@ -78,8 +88,10 @@ def test_the_pick_is_the_full_heads_first_maximum(m: int, packed: int | None,
                 mine.tolist())
 
 
-@vnni
-def test_ties_go_to_the_first_row_as_the_full_head_breaks_them() -> None:
+@each_pass
+@pytest.mark.parametrize("rows", ROWS)
+def test_ties_go_to_the_first_row_as_the_full_head_breaks_them(cpu_variant: str,
+                                                               rows: str) -> None:
     head = _head(600, 64, None, seed=1)
     qw = head.qw
     # rows 11 and 500 identical, and the largest for an x of their signs
@@ -88,9 +100,11 @@ def test_ties_go_to_the_first_row_as_the_full_head_breaks_them() -> None:
         qw.qweight[r] = (signs * 120).to(torch.int8)
         qw.scales[r] = qw.scales.max()
     head = QuantLinear(qw, None)
+    head.int16_acts = rows == "float32-int16"
     if cpu_quant.has_tiles():
         head.add_packed_copy(2)
-    x = (signs.float() * torch.tensor([[1.0], [2.0], [0.5]])).to(torch.bfloat16)
+    x = signs.float() * torch.tensor([[1.0], [2.0], [0.5]])
+    x = x.to(torch.bfloat16) if rows == "bf16" else x
     picker = GreedyHead(head)
     want = first_max(head(x))
     assert want.tolist() == [11, 11, 11]
@@ -98,21 +112,29 @@ def test_ties_go_to_the_first_row_as_the_full_head_breaks_them() -> None:
     assert got is not None and torch.equal(got, want)
 
 
-@vnni
-def test_a_row_with_nan_is_left_to_the_full_head() -> None:
-    head = _head(200, 64, None)
-    x = _hidden(2, 64, 0)
+@each_pass
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_row_with_nan_is_left_to_the_full_head(cpu_variant: str, rows: str) -> None:
+    head = _head(200, 64, None, rows=rows)
+    x = _hidden(2, 64, 0, rows)
     x[1, 5] = float("nan")
     assert GreedyHead(head).pick(x) is None
 
 
 def test_it_serves_only_what_it_can_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     head = _head(64, 64, None)
-    assert "bf16" in (GreedyHead.can_serve(head, torch.float32) or "")
+    assert "bf16 or float32" in (GreedyHead.can_serve(head, torch.float16) or "")
     assert "int8" in (GreedyHead.can_serve(torch.nn.Linear(64, 64), torch.bfloat16) or "")
-    real = cpu_isa.info()  # as an AVX2-only CPU runs
-    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
-    assert "AVX512-VNNI" in (GreedyHead.can_serve(head, torch.bfloat16) or "")
+    real = cpu_isa.info()
+    for cls in PASS_VARIANTS:
+        monkeypatch.setattr(cpu_isa, "info", lambda cls=cls: dataclasses.replace(real, cls=cls))
+        assert GreedyHead.can_serve(head, torch.float32) is None
+        assert GreedyHead.can_serve(head, torch.bfloat16) is None
+        # one greedy row is enough where the full head's int16 loop is instruction-bound
+        assert greedy_head.min_rows() == (2 if cls == "avx512_bf16" else 1)
+    # the portable build has no pass
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="portable"))
+    assert "neither AVX512-VNNI nor AVX2" in (GreedyHead.can_serve(head, torch.float32) or "")
 
 
 def test_a_bad_value_is_refused_naming_the_option(tmp_path: pathlib.Path) -> None:
@@ -122,11 +144,14 @@ def test_a_bad_value_is_refused_naming_the_option(tmp_path: pathlib.Path) -> Non
     assert err.value.param == "greedy_head"
 
 
-@vnni
+@each_pass
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_engine_emits_the_same_tokens_with_and_without_it(
-        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+        cpu_variant: str, dtype: str, tmp_path: pathlib.Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     """Greedy rows beside rows that sample, report logprobs or change their logits: every
-    sequence's tokens (and logprobs) as with the full head, and the greedy rows were picked."""
+    sequence's tokens (and logprobs) as with the full head, and the greedy rows were picked;
+    a lone greedy sequence too, picked where one row is enough (`min_rows`)."""
     # (gemma-3's own config has no final soft-cap; the tiny one's would turn the head off)
     path = make_checkpoint("gemma3_text", tmp_path, overrides={"final_logit_softcapping": None})
     prompts = [{"prompt_token_ids": random_tokens(12 + i, seed=i)} for i in range(8)]
@@ -135,10 +160,10 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
         SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.5,
                        ignore_eos=True)]
-    runs = {}
+    runs, lone = {}, {}
     for mode in ("auto", "off"):
         with caplog.at_level(logging.INFO, logger="ringserve.engine"):
-            llm = LLM(str(path), dtype="bfloat16", quantization="int8", packed_rows="auto",
+            llm = LLM(str(path), dtype=dtype, quantization="int8", packed_rows="auto",
                       greedy_head=mode, kv_cache_memory="8MiB", max_model_len=64)
         runner = llm.engine.runner
         picks: list[int] = []
@@ -153,14 +178,19 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
         outs = llm.generate(prompts, params)
         runs[mode] = ([o.outputs[0].token_ids for o in outs],
                       [o.outputs[0].logprobs for o in outs], max(picks))
+        picks.clear()
+        one = llm.generate(prompts[:1], params[0])
+        lone[mode] = (one[0].outputs[0].token_ids, max(picks))
     assert runs["auto"][:2] == runs["off"][:2]
     assert runs["auto"][2] == 5 and runs["off"][2] == 0  # the five plain greedy rows
+    assert lone["auto"][0] == lone["off"][0] == runs["off"][0][0]
+    assert lone["auto"][1] == (1 if greedy_head.min_rows() == 1 else 0) and lone["off"][1] == 0
     assert "greedy head: " in caplog.text and "greedy head off (off)" in caplog.text
 
 
-@vnni
+@each_pass
 def test_a_model_that_soft_caps_its_logits_keeps_the_full_head(
-        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+        cpu_variant: str, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     """A soft-cap after the head could round two logits to one value, and the first
     maximum is then the first of them, which the head's own maximum need not be."""
     path = make_checkpoint("gemma2", tmp_path)

@@ -9,9 +9,10 @@ for a real model's hidden state); those are multiplied here through the head's o
 only: each output of those paths is one row's sum, whatever rows sit beside it). So the
 token is the full head's first maximum, bit for bit, for a fraction of its multiplies.
 
-Only for a quantized head without bias, on a build with AVX512-VNNI, where the head's path
-for the step's rows is one of our kernels (not oneDNN's packed GEMM), and for rows that take
-the plain first maximum (`engine.llm_engine` decides which).
+Only for a quantized head without bias, on a build with AVX512-VNNI or AVX2 (the pass's two
+variants), for bf16 or float32 activations, where the head's path for the step's rows is
+one of our kernels (not oneDNN's packed GEMM), and for rows that take the plain first
+maximum (`engine.llm_engine` decides which).
 """
 
 from __future__ import annotations
@@ -19,21 +20,29 @@ from __future__ import annotations
 import torch
 
 from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
-from ringserve.kernels import cpu_quant
+from ringserve.kernels import cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
-# Steps with fewer greedy rows keep the full head: at one row it reads the same bytes at
-# the same speed, and the candidates' exact pass is then pure overhead.
+# Steps with fewer greedy rows keep the full head. With AVX512-VNNI, at one row the full
+# head reads the same bytes at the same speed, and the candidates' exact pass is then pure
+# overhead; on the AVX2 pass's CPUs the full head's int16 loop runs out of instructions
+# before memory at one row too (docs/cpu.md, "The greedy head").
 GREEDY_HEAD_ROWS = 2
+GREEDY_HEAD_ROWS_AVX2 = 1
 PACK_ROWS = 16384  # rows dequantized at a time while packing
 
 
 def supported() -> bool:
-    """Whether this process's kernel build has the int8 pass (AVX512-VNNI)."""
+    """Whether this process's kernel build has the int8 pass (AVX512-VNNI or AVX2)."""
     return available() and bool(ops().greedy_head_supported())
+
+
+def min_rows() -> int:
+    """The fewest greedy rows a step picks with the pass on this CPU class."""
+    return GREEDY_HEAD_ROWS if cpu_isa.info().variant == "avx512_bf16" else GREEDY_HEAD_ROWS_AVX2
 
 
 class GreedyHead:
@@ -46,14 +55,15 @@ class GreedyHead:
     def __init__(self, head: QuantLinear) -> None:
         self.head = head
         self.vocab, self.k = head.out_features, head.in_features
+        self.min_rows = min_rows()
         self._pack(head.qw)
 
     @staticmethod
     def can_serve(head: object, dtype: torch.dtype) -> str | None:
         """None where `GreedyHead(head)` can serve a model running in ``dtype``, else why
         not (for the log)."""
-        if dtype != torch.bfloat16:
-            return "needs bf16 activations"
+        if dtype not in (torch.bfloat16, torch.float32):
+            return "needs bf16 or float32 activations"
         if not isinstance(head, QuantLinear) or head.bits != 8:
             return "the output head is not int8-quantized"
         if head.bias is not None:
@@ -65,7 +75,7 @@ class GreedyHead:
         if head.in_features % 4:
             return "the head's width is not a multiple of 4"
         if not supported():
-            return "this CPU class has no AVX512-VNNI"
+            return "this CPU class has neither AVX512-VNNI nor AVX2"
         return None
 
     def nbytes(self) -> int:
@@ -102,9 +112,10 @@ class GreedyHead:
         return index, offsets
 
     def pick(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Each bf16 row's first maximum of ``head(x)``, int64 [m]; None where this cannot
-        answer (a non-finite value in x: the full head's pick handles NaN its own way)."""
-        if x.dtype != torch.bfloat16 or not bool(torch.isfinite(x).all()):
+        """Each bf16 or float32 row's first maximum of ``head(x)``, int64 [m]; None where
+        this cannot answer (a non-finite value in x: the full head's pick handles NaN its own
+        way)."""
+        if x.dtype not in (torch.bfloat16, torch.float32) or not bool(torch.isfinite(x).all()):
             return None
         index, _ = self.candidates(x)
         union = torch.unique(index.long())

@@ -19,9 +19,15 @@
 // bytes in tiles of 16 rows x 4 values (a lane's four bytes are one row's four values), x
 // rides as the signed, broadcast operand; each group's sums start at -128 * sum(x digits),
 // which takes off what the offset adds.
+//
+// Builds with AVX2 but no AVX512-VNNI run the same pass on the same copy with vpmaddubsw
+// (unsigned bytes times signed bytes, pairs summed to int16) and vpmaddwd by ones (int16
+// pairs to int32): three instructions for 32 byte products. x is rounded to 7 bits there
+// (|digit| <= 63), so that a pair's sum, at most 2 x 255 x 63 = 32130, cannot saturate
+// int16; the coarser rounding only widens the bound (more candidates, the same pick).
 
 #include <ATen/ATen.h>
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <c10/util/BFloat16.h>
@@ -46,48 +52,69 @@ constexpr int64_t kOut = 8;       // the batch's largest dims, multiplied in flo
 constexpr int64_t kBlock = 8;     // x rows a pass over a tile
 constexpr int64_t kChunks = 64;   // work items of the vocabulary (their lists are merged)
 constexpr size_t kCompact = 4096; // a chunk's list is filtered again past this many
+#if defined(__AVX512VNNI__)
+constexpr double kDigit = 127.0;  // x's largest digit: vpdpbusd sums in int32
+constexpr bool kGroupScales = false;
+#else
+constexpr double kDigit = 63.0;  // vpmaddubsw's int16 pair sums: 2 x 255 x 63 < 32767
+// NOTE: a scale a weight group, not one a row: on gemma-3-270m's hidden states 7-bit digits
+// at one scale a row left ||x - x^|| at 3.2 (||x|| 160) and a row kept a median of 76-194
+// candidates; a scale a group of 32 halves the error (1.5, what 8 bits at one scale a row
+// give), for one multiply a group and x row.
+constexpr bool kGroupScales = true;
+#endif
 
-// One x row, rounded: int8 digits at one scale with the batch's kOut dims zeroed (those are
-// multiplied in float), the offsets the unsigned weights add (-128 * the digits' sum, a
-// group at a time), and what the bound needs.
+// One x row, rounded: signed-byte digits (|digit| <= kDigit) at one scale a row, or one a
+// weight group (kGroupScales), with the batch's kOut dims zeroed (those are multiplied in
+// float), the offsets the unsigned weights add (-128 * the digits' sum, a group at a time),
+// and what the bound needs.
 struct XRow {
   std::vector<int32_t> main;    // k / 4 quads of 4 signed bytes
   std::vector<int32_t> offset;  // per group: -128 * sum of its digits
   std::vector<float> outs;      // x at the batch's outlier dims
-  float scale = 0.f;
+  std::vector<float> gscale;    // per group: its digits' scale (all equal without kGroupScales)
+  float scale = 0.f;            // the row's scale (1 with kGroupScales: gscale holds them)
   // ||x - x^|| widened by room for the exact path's own errors: its float sums (k terms,
   // each product exact: 2^-12 ||x|| in norm, a few times over), the int16 blocks x is
-  // rounded to on the one-byte path (2^-16 sqrt(k) max|x|, twice over); the bf16 its
-  // logits are rounded to (2^-9 of the value) is the kernel's 2^-8 (|a_r| + b_r).
+  // rounded to on the one-byte path and on float32 rows' int16 path (2^-16 sqrt(k) max|x|,
+  // twice over); the bf16 its logits are rounded to (2^-9 of the value) is the kernel's
+  // 2^-8 (|a_r| + b_r).
   float room = 0.f;
 };
 
-XRow round_row(const c10::BFloat16* x, int64_t k, int64_t group,
-               const std::vector<int64_t>& dims) {
+template <typename T>
+XRow round_row(const T* x, int64_t k, int64_t group, const std::vector<int64_t>& dims) {
   XRow r;
   std::vector<double> v(static_cast<size_t>(k));
-  for (int64_t d = 0; d < k; ++d) v[d] = static_cast<double>(static_cast<float>(x[d]));
+  for (int64_t d = 0; d < k; ++d) v[d] = static_cast<double>(ringserve::to_f(x[d]));
   std::vector<bool> out(static_cast<size_t>(k), false);
   for (int64_t d : dims) {
     out[d] = true;
     r.outs.push_back(static_cast<float>(v[d]));
   }
+  const int64_t groups = k / group;
   double top = 0, all = 0, norm2 = 0;
+  std::vector<double> gtop(static_cast<size_t>(groups), 0.0);
   for (int64_t d = 0; d < k; ++d) {
-    if (!out[d]) top = std::max(top, std::abs(v[d]));
+    if (!out[d]) {
+      top = std::max(top, std::abs(v[d]));
+      gtop[d / group] = std::max(gtop[d / group], std::abs(v[d]));
+    }
     all = std::max(all, std::abs(v[d]));
     norm2 += v[d] * v[d];
   }
-  // NOTE: the rounding done with the float scale the kernel multiplies by, so that the
+  // NOTE: the rounding done with the float scales the kernel multiplies by, so that the
   // error measured below is the one its sums carry.
-  r.scale = static_cast<float>(top / 127.0);
-  const double s = r.scale;
+  r.scale = kGroupScales ? 1.f : static_cast<float>(top / kDigit);
+  for (int64_t g = 0; g < groups; ++g)
+    r.gscale.push_back(kGroupScales ? static_cast<float>(gtop[g] / kDigit) : r.scale);
   std::vector<int8_t> q(static_cast<size_t>(k), 0);
   double err2 = 0;
   for (int64_t d = 0; d < k; ++d) {
     if (out[d]) continue;
+    const double s = r.gscale[d / group];
     const double n = s > 0 ? std::nearbyint(v[d] / s) : 0.0;
-    q[d] = static_cast<int8_t>(std::max(-127.0, std::min(127.0, n)));
+    q[d] = static_cast<int8_t>(std::max(-kDigit, std::min(kDigit, n)));
     const double e = v[d] - static_cast<double>(q[d]) * s;
     err2 += e * e;
   }
@@ -137,6 +164,12 @@ struct Head {
 };
 
 #if defined(__AVX512VNNI__)
+#define RINGSERVE_GREEDY_PASS 1
+
+// A tile's 16 rows' largest lower bounds so far, for one x row.
+using Lane = __m512;
+inline Lane lane_init() { return _mm512_set1_ps(-std::numeric_limits<float>::infinity()); }
+inline float lane_max(const Lane& l) { return _mm512_reduce_max_ps(l); }
 
 // acc += w (unsigned bytes) . x (four signed bytes, broadcast from memory).
 // NOTE: inline assembly for the embedded broadcast ({1to16}), where GCC emits a
@@ -245,7 +278,7 @@ void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
     // NOTE: the lanes' largest lower bound is reduced to the one floor the lists are cut
     // by only now and then, not every tile
     if (fd.index.size() > fd.next) {
-      fd.floor = _mm512_reduce_max_ps(lanes[j]);
+      fd.floor = lane_max(lanes[j]);
       fd.compact();
       fd.next = std::max(kCompact, 2 * fd.index.size());
     }
@@ -254,7 +287,7 @@ void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
 
 void tile_block(const Head& h, int64_t t, const std::vector<XRow>& xs,
                 const std::vector<int64_t>& dims, int64_t m0, int64_t mb,
-                std::vector<Found>& found, __m512* lanes, const float* outs,
+                std::vector<Found>& found, Lane* lanes, const float* outs,
                 const int32_t* digits, const int32_t* offsets) {
   switch (mb) {
     case 1: tile_rows<1>(h, t, xs, dims, m0, found, lanes, outs, digits, offsets); break;
@@ -268,16 +301,183 @@ void tile_block(const Head& h, int64_t t, const std::vector<XRow>& xs,
   }
 }
 
+#elif defined(__AVX2__)
+#define RINGSERVE_GREEDY_PASS 1
+
+// A tile's 16 rows' largest lower bounds so far, for one x row: rows 0-7 and 8-15.
+struct Lane {
+  __m256 lo, hi;
+};
+inline Lane lane_init() {
+  const __m256 v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  return {v, v};
+}
+inline float lane_max(const Lane& l) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, _mm256_max_ps(l.lo, l.hi));
+  return *std::max_element(v, v + 8);
+}
+
+constexpr int kSub = 2;  // x rows a pass: 2 x 2 int32 and 2 x 2 float sums, in 16 registers
+
+// acc += the 4-byte dot products of w's lanes (unsigned) with x's (signed, broadcast).
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x, __m256i ones) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
+
+// tile_rows of the AVX-512 build for x rows [m0, m0 + MB) (MB <= kSub), each tile as two
+// halves of 8 rows; digits, offsets, outs and lanes point at the block's row m0.
+template <int MB>
+void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
+               const std::vector<int64_t>& dims, int64_t m0, std::vector<Found>& found,
+               Lane* lanes, const float* outs, const int32_t* digits, const int32_t* offsets) {
+  const int64_t k = h.k, groups = k / h.group, per_group = h.group / 4;
+  const uint8_t* tile = h.tiles + t * k * kRows;
+  // the next tile's lines, one a quad, on the first pass over this one (as the AVX-512 loop)
+  const uint8_t* ahead = m0 == 0 && t + 1 < (h.vocab + kRows - 1) / kRows ? tile + k * kRows : nullptr;
+  const float* sc = h.scales + t * groups * kRows;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const float* gsc[MB];  // each x row's group scales
+  __m256 f0[MB], f1[MB];
+  for (int j = 0; j < MB; ++j) {
+    f0[j] = f1[j] = _mm256_setzero_ps();
+    gsc[j] = xs[m0 + j].gscale.data();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i a0[MB], a1[MB];
+    for (int j = 0; j < MB; ++j) a0[j] = a1[j] = _mm256_set1_epi32(offsets[g * kBlock + j]);
+    const int64_t p1 = (g + 1) * per_group;
+    for (int64_t p = g * per_group; p < p1; p += 4) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + (p + u) * 64), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (p + u) * 64));
+        const __m256i w1 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (p + u) * 64 + 32));
+        for (int j = 0; j < MB; ++j) {
+          const __m256i x = _mm256_set1_epi32(digits[(p + u) * kBlock + j]);
+          a0[j] = dot4(a0[j], w0, x, ones);
+          a1[j] = dot4(a1[j], w1, x, ones);
+        }
+      }
+    }
+    // the weight rows' group scales times the x row's (kGroupScales)
+    const __m256 s0 = _mm256_loadu_ps(sc + g * kRows), s1 = _mm256_loadu_ps(sc + g * kRows + 8);
+    for (int j = 0; j < MB; ++j) {
+      const __m256 xsc = _mm256_set1_ps(gsc[j][g]);
+      f0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[j]), _mm256_mul_ps(s0, xsc), f0[j]);
+      f1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[j]), _mm256_mul_ps(s1, xsc), f1[j]);
+    }
+  }
+  for (size_t o = 0; o < dims.size(); ++o) {  // the outlier dims, in float
+    const int64_t d = dims[o];
+    const __m256i shift = _mm256_set1_epi32(static_cast<int>(8 * (d % 4)));
+    __m256 wd[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m256i w = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(tile + (d / 4) * 64 + half * 32));
+      const __m256i q = _mm256_sub_epi32(
+          _mm256_and_si256(_mm256_srlv_epi32(w, shift), _mm256_set1_epi32(0xFF)),
+          _mm256_set1_epi32(128));
+      wd[half] = _mm256_mul_ps(_mm256_cvtepi32_ps(q),
+                               _mm256_loadu_ps(sc + (d / h.group) * kRows + half * 8));
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m256 v = _mm256_set1_ps(outs[o * kBlock + j]);
+      f0[j] = _mm256_fmadd_ps(wd[0], v, f0[j]);
+      f1[j] = _mm256_fmadd_ps(wd[1], v, f1[j]);
+    }
+  }
+  const int64_t r0 = t * kRows;
+  const int valid = h.vocab - r0 >= kRows ? 0xFFFF : (1 << (h.vocab - r0)) - 1;
+  // rows past the vocabulary: their lower bounds must not count
+  const __m256 lo_ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_set1_epi32(static_cast<int>(h.vocab - r0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  const __m256 hi_ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_set1_epi32(static_cast<int>(h.vocab - r0)),
+      _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)));
+  const __m256 n0 = _mm256_loadu_ps(h.norms + r0), n1 = _mm256_loadu_ps(h.norms + r0 + 8);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < MB; ++j) {
+    const __m256 room = _mm256_set1_ps(xs[m0 + j].room);
+    const __m256 floor = _mm256_set1_ps(found[m0 + j].floor);
+    alignas(32) float hs[kRows];
+    int keep = 0;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 a = half == 0 ? f0[j] : f1[j];
+      // b = ||w_r|| ||x - x^|| plus room for the exact path's own errors (XRow::room)
+      const __m256 b = _mm256_fmadd_ps(
+          half == 0 ? n0 : n1, room,
+          _mm256_fmadd_ps(_mm256_and_ps(a, absmask), _mm256_set1_ps(0x1p-8f),
+                          _mm256_set1_ps(1e-4f)));
+      const __m256 low = _mm256_blendv_ps(ninf, _mm256_sub_ps(a, b), half == 0 ? lo_ok : hi_ok);
+      __m256& lane = half == 0 ? lanes[j].lo : lanes[j].hi;
+      lane = _mm256_max_ps(lane, low);
+      const __m256 high = _mm256_add_ps(a, b);
+      _mm256_store_ps(hs + half * 8, high);
+      keep |= _mm256_movemask_ps(_mm256_cmp_ps(high, floor, _CMP_GE_OQ)) << (half * 8);
+    }
+    keep &= valid;
+    if (keep == 0) continue;
+    Found& fd = found[m0 + j];
+    while (keep != 0) {
+      const int i = __builtin_ctz(static_cast<unsigned>(keep));
+      keep &= keep - 1;
+      fd.index.push_back(static_cast<int32_t>(r0 + i));
+      fd.high.push_back(hs[i]);
+    }
+    if (fd.index.size() > fd.next) {
+      fd.floor = lane_max(lanes[j]);
+      fd.compact();
+      fd.next = std::max(kCompact, 2 * fd.index.size());
+    }
+  }
+}
+
+void tile_block(const Head& h, int64_t t, const std::vector<XRow>& xs,
+                const std::vector<int64_t>& dims, int64_t m0, int64_t mb,
+                std::vector<Found>& found, Lane* lanes, const float* outs,
+                const int32_t* digits, const int32_t* offsets) {
+  for (int64_t s = 0; s < mb; s += kSub) {
+    if (mb - s >= 2)
+      tile_rows<2>(h, t, xs, dims, m0 + s, found, lanes + s, outs + s, digits + s, offsets + s);
+    else
+      tile_rows<1>(h, t, xs, dims, m0 + s, found, lanes + s, outs + s, digits + s, offsets + s);
+  }
+}
+
 #endif
 
-// x: [m, k] bf16; tiles: [T, k * 16] uint8 (T = ceil(vocab / 16)); scales: [T, groups * 16]
+#if defined(RINGSERVE_GREEDY_PASS)
+// The batch's outlier dims (the kOut largest of max |x| over its rows) and its rows rounded.
+template <typename T>
+void round_rows(const T* xp, int64_t m, int64_t k, int64_t group, std::vector<int64_t>& dims,
+                std::vector<XRow>& xs) {
+  std::vector<float> top(static_cast<size_t>(k), 0.f);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t d = 0; d < k; ++d)
+      top[d] = std::max(top[d], std::abs(ringserve::to_f(xp[i * k + d])));
+  dims.resize(static_cast<size_t>(k));
+  std::iota(dims.begin(), dims.end(), 0);
+  const int64_t n_out = std::min(kOut, k);
+  std::partial_sort(dims.begin(), dims.begin() + n_out, dims.end(),
+                    [&](int64_t a, int64_t b) { return top[a] > top[b]; });
+  dims.resize(static_cast<size_t>(n_out));
+  xs.reserve(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) xs.push_back(round_row(xp + i * k, k, group, dims));
+}
+#endif
+
+// x: [m, k] bf16 or float32; tiles: [T, k * 16] uint8 (T = ceil(vocab / 16)); scales: [T, groups * 16]
 // float32; norms: [T * 16] float32 (||w_r||, rounded up). Returns (index int32 [c], offsets
 // int64 [m + 1]): x row i's candidates, ascending, are index[offsets[i]:offsets[i+1]].
 std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Tensor& tiles,
                                                const at::Tensor& scales, const at::Tensor& norms,
                                                int64_t group, int64_t vocab) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "greedy_head_candidates: x must be contiguous bf16 [m, k]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "greedy_head_candidates: x must be contiguous bf16 or float32 [m, k]");
   const int64_t m = x.size(0), k = x.size(1), count = (vocab + kRows - 1) / kRows;
   TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0,
               "greedy_head_candidates: group must be a multiple of 16 dividing k");
@@ -291,22 +491,13 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
                   norms.numel() == count * kRows,
               "greedy_head_candidates: norms must be float32 [tiles * 16]");
   TORCH_CHECK(vocab < std::numeric_limits<int32_t>::max(), "greedy_head_candidates: vocab too large");
-#if defined(__AVX512VNNI__)
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  // the batch's outlier dims: the kOut largest of max |x| over its rows
-  std::vector<float> top(static_cast<size_t>(k), 0.f);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t d = 0; d < k; ++d)
-      top[d] = std::max(top[d], std::abs(static_cast<float>(xp[i * k + d])));
-  std::vector<int64_t> dims(static_cast<size_t>(k));
-  std::iota(dims.begin(), dims.end(), 0);
-  const int64_t n_out = std::min(kOut, k);
-  std::partial_sort(dims.begin(), dims.begin() + n_out, dims.end(),
-                    [&](int64_t a, int64_t b) { return top[a] > top[b]; });
-  dims.resize(static_cast<size_t>(n_out));
+#if defined(RINGSERVE_GREEDY_PASS)
+  std::vector<int64_t> dims;
   std::vector<XRow> xs;
-  xs.reserve(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) xs.push_back(round_row(xp + i * k, k, group, dims));
+  if (x.scalar_type() == at::kFloat)
+    round_rows(x.data_ptr<float>(), m, k, group, dims, xs);
+  else
+    round_rows(x.data_ptr<c10::BFloat16>(), m, k, group, dims, xs);
   const Head h{tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), norms.data_ptr<float>(),
                k, group, vocab};
   const int64_t chunks = std::min(kChunks, count);
@@ -326,9 +517,9 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
     for (int64_t g = 0; g < groups; ++g) starts[(b * groups + g) * kBlock + j] = xs[i].offset[g];
   }
   ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<__m512> lanes(static_cast<size_t>(m));
+    std::vector<Lane> lanes(static_cast<size_t>(m));
     for (int64_t c = c0; c < c1; ++c) {
-      std::fill(lanes.begin(), lanes.end(), _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+      std::fill(lanes.begin(), lanes.end(), lane_init());
       const int64_t t0 = count * c / chunks, t1 = count * (c + 1) / chunks;
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t i = 0; i < m; i += kBlock)
@@ -337,7 +528,7 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
                      digits.data() + (i / kBlock) * quads * kBlock,
                      starts.data() + (i / kBlock) * groups * kBlock);
       for (int64_t i = 0; i < m; ++i)
-        parts[c][i].floor = std::max(parts[c][i].floor, _mm512_reduce_max_ps(lanes[i]));
+        parts[c][i].floor = std::max(parts[c][i].floor, lane_max(lanes[i]));
     }
   });
   auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
@@ -358,12 +549,12 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
   std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
   return {index, offsets};
 #else
-  TORCH_CHECK(false, "greedy_head_candidates: this build has no AVX512-VNNI");
+  TORCH_CHECK(false, "greedy_head_candidates: this build has neither AVX512-VNNI nor AVX2");
 #endif
 }
 
 bool greedy_head_supported() {
-#if defined(__AVX512VNNI__)
+#if defined(RINGSERVE_GREEDY_PASS)
   return true;
 #else
   return false;
