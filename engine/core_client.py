@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -68,7 +69,8 @@ class CoreClient(EngineFront):
         ctx = multiprocessing.get_context("spawn")
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         out_read, out_write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=core_main, args=(config, cmd_read, out_write, log_level),
+        process = ctx.Process(target=core_main,
+                              args=(config, cmd_read, out_write, log_level, os.getpid()),
                               name="ringserve-core", daemon=True)
         process.start()
         cmd_read.close()

@@ -8,14 +8,18 @@ one pipe, and each turn of the loop sends what it made down the other as one mes
 list of ``("stats", dict)``, ``("delta", StreamDelta)`` and ``("error", request_id,
 WireError)`` in the order they happened. When the API process goes away (its pipe ends)
 the core stops; signals are the API process's to handle (a Ctrl-C reaches the whole
-process group), so the core ignores SIGINT and SIGTERM.
+process group), so the core ignores SIGINT and SIGTERM. While the engine loads nothing reads
+the pipe, so a watchdog thread ends the core as soon as the API process is gone
+(`_exit_with_parent`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -26,6 +30,8 @@ from ringserve.engine.errors import EngineDeadError, InvalidRequestError
 from ringserve.engine.request_check import RequestLimits
 
 logger = logging.getLogger("ringserve.engine")
+# Seconds between the watchdog's checks that the API process still lives.
+PARENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,14 @@ class _PipeSink:
 
 
 def core_main(config: EngineConfig, commands: Connection, outputs: Connection,
-              log_level: str = "info") -> None:
-    """The core process: build the engine, then serve the commands until told to stop."""
+              log_level: str = "info", parent: int | None = None) -> None:
+    """The core process: build the engine, then serve the commands until told to stop;
+    ``parent``: the API process's pid, whose end ends this process at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), name="ringserve-core-parent",
+                         daemon=True).start()
     # NOTE: the API process's format: start-up lines read the same whichever process logs
     # them (benchmarks/peers/servers.py reads the dtype and weight bytes from them).
     logging.basicConfig(level=log_level.upper(),
@@ -127,6 +137,20 @@ def core_main(config: EngineConfig, commands: Connection, outputs: Connection,
         raise SystemExit(1) from None
     engine.close()
     outputs.send(("bye",))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit once ``parent`` (the API process) is gone: this process is then someone
+    else's child. While the engine loads (minutes, for a model converted on first use) no
+    pipe is read, and a core whose API process was SIGKILLed went on loading, holding the
+    model's memory and writing its log lines into the next server's log, until it said
+    "ready" to nobody. A parent-death signal (``prctl(PR_SET_PDEATHSIG)``) would not do: it
+    follows the thread that started the process, and the API process starts the core from a
+    thread that ends once the core is ready (`server.app`)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    logger.warning("the API process %d is gone: exiting", parent)
+    os._exit(1)
 
 
 def _read_commands(commands: Connection, loop: EngineLoop) -> None:

@@ -9,6 +9,8 @@
 - The core ignores the Ctrl-C that reaches the whole process group, and goes with the server
   on SIGTERM: no orphan holds the model's memory.
 - A core that cannot start says why on /health, as the in-process engine did.
+- A core whose API process is SIGKILLed while the engine loads exits at once, instead of
+  loading on, holding the model's memory, until it says "ready" to nobody.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -163,3 +167,47 @@ def test_a_core_that_cannot_start_says_why(ckpt: pathlib.Path, tmp_path: pathlib
     with pytest.raises(RuntimeError, match=r"failed to start: .*cannot hold one sequence"), \
             run_server(ckpt, *flags, "--kv-cache-memory", "1KiB", log_dir=tmp_path):
         pass
+
+
+# An API process reduced to its launch: it waits for the core's "ready" (a script for
+# `python -c`, whose spawned child re-imports no main module).
+LAUNCHER = """
+import sys
+import ringserve
+from ringserve.engine import EngineConfig
+from ringserve.engine.core_client import CoreClient
+CoreClient.launch(EngineConfig(model=sys.argv[1], dtype="float32", kv_cache_memory="4MiB",
+                               max_model_len=64))
+print("ready", flush=True)
+"""
+
+
+def test_a_core_whose_api_process_is_killed_while_it_loads_exits(
+        ckpt: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ckpt)], stdout=out,
+                                    stderr=subprocess.STDOUT)
+    children = pathlib.Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+    deadline = time.monotonic() + 60
+    core = None
+    while core is None and time.monotonic() < deadline:
+        found = children.read_text().split() if children.exists() else []
+        core = int(found[0]) if found else None
+        time.sleep(0.01)
+    assert core is not None, log.read_text()
+    # frozen while it starts (its interpreter is still importing), so that the API process
+    # is surely gone before the engine could load
+    os.kill(core, signal.SIGSTOP)
+    launcher.kill()
+    launcher.wait(10)
+    os.kill(core, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while alive(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = log.read_text()
+    assert not alive(core), text
+    assert f"the API process {launcher.pid} is gone: exiting" in text
+    # it went before the engine was built (the greedy head's line comes once the model is
+    # loaded, on or off), and never said "ready" into the broken pipe
+    assert "greedy head" not in text and "BrokenPipeError" not in text
