@@ -2,7 +2,7 @@
 (docs/cpu.md, "The greedy head").
 
 Greedy generation over the seed article records the rows the greedy head picks for; then,
-for 1, 8 and 32 of those rows at a time, the median time of the candidates pass alone, of
+for 1, 8 and 32 (`--rows`) of those rows at a time, the median time of the candidates pass alone, of
 the whole pick (pass, candidates' exact logits, first maximum) and of the full head, and
 how many candidates a row kept.
 
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--calls", type=int, default=8, help="timed calls for each row count")
+    ap.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
     ap.add_argument("--text", type=Path, default=None,
                     help=f"UTF-8 text to continue (default: {SEED_DIR}/*.txt)")
     args = ap.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
     hidden = torch.cat(rows)
     print(f"{args.model} {hidden.dtype}: {len(hidden)} recorded rows, min_rows "
           f"{picker.min_rows}")
-    for m in (1, 8, 32):
+    for m in (int(r) for r in args.rows.split(",")):
         times: dict[str, list[float]] = {"pass": [], "pick": [], "full": []}
         kept: list[float] = []
         for call in range(args.calls):

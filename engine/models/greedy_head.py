@@ -26,12 +26,13 @@ from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
-# Steps with fewer greedy rows keep the full head. With AVX512-VNNI, at one row the full
-# head reads the same bytes at the same speed, and the candidates' exact pass is then pure
-# overhead; on the AVX2 pass's CPUs the full head's int16 loop runs out of instructions
-# before memory at one row too (docs/cpu.md, "The greedy head").
+# Steps with fewer greedy rows keep the full head: there it reads the same bytes at the
+# same speed as the pass, and the candidates' exact pass is pure overhead. With AVX512-VNNI
+# that is one row (Zen 4); with the AVX2 pass up to three, where the full head's int16 loop
+# keeps up with memory (Zen 3, `benchmarks/greedy_head_pass.py --rows 1,2,3,4`: pick /
+# full head 6.8-7.7 / 6.7 ms at 2 rows, 8.6-8.9 / 8.4-8.5 at 3, 9.9-10.3 / 11.0 at 4).
 GREEDY_HEAD_ROWS = 2
-GREEDY_HEAD_ROWS_AVX2 = 1
+GREEDY_HEAD_ROWS_AVX2 = 4
 PACK_ROWS = 16384  # rows dequantized at a time while packing
 
 

@@ -52,6 +52,13 @@ namespace {
 
 constexpr int64_t kBlock = ringserve::kActBlock;  // x values per int16 scale
 constexpr int64_t kMaxRows = 4;  // x rows a pass over a weight row
+// One x row: four weight rows a pass, prefetched into L2 four passes ahead (measured best on
+// Zen 4), or as more x rows are (two, L1, two ahead: measured best on Zen 3); dot_rows.
+#if defined(__AVX512F__)
+constexpr bool kOneRowToL2 = true;
+#else
+constexpr bool kOneRowToL2 = false;
+#endif
 
 using ringserve::Acts;
 using ringserve::quantize_acts;
@@ -147,8 +154,13 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   // 24-25 against a torch sum's 27-29 in the same process; a step's small 4-bit matrices
   // (o_proj 640 x 1024, half of down 640 x 2048) went from 7.5-8 to 10-11 GB/s (Zen 4, AVX2
   // build, interleaved). The same change made 3 x rows 1.3x slower: those keep L1.
-  // Prefetches never fault; the range stops at the weight's end.
-  constexpr bool kToL2 = M == 1;
+  // On a real AVX2-only CPU (Zen 3) the other way round: one x row with two weight rows a
+  // pass and L1 two calls ahead (as for two x rows) took the head from 8.0-10.5 to 6.2-6.8
+  // ms and a step's layers from 5.8-6.6 to 4.7-5.3 ms (three runs each, 2026-12-05,
+  // kOneRowToL2 below). So the AVX2 build, which AVX2-only CPUs run, keeps L1; the AVX-512
+  // builds keep what the Zen 4 measured. Prefetches never fault; the range stops at the
+  // weight's end.
+  constexpr bool kToL2 = M == 1 && kOneRowToL2;
   constexpr int kPasses = kToL2 ? 4 : 2;
   // NOTE: the hint spelled out in each branch: _mm_prefetch wants a literal (a macro in
   // clang's headers, where there is no _mm_hint type to cast to).
@@ -274,9 +286,10 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
 template <int BITS, int M>
 void dot_block(const Weight& w, const Acts& a, int64_t m0, int64_t n0, int64_t n1, int64_t n,
                const float* bias, float* sf, float* mf, float* out) {
-  // NOTE: weight rows side by side give one x row independent sums (four with one row);
-  // more would spill AVX2's 16 registers.
-  constexpr int R = M == 1 ? 4 : 2;
+  // NOTE: weight rows side by side give one x row independent sums (four with one row on
+  // the AVX-512 builds; two in the AVX2 build: see kOneRowToL2); more would spill AVX2's
+  // 16 registers.
+  constexpr int R = M == 1 && kOneRowToL2 ? 4 : 2;
   const int16_t* xq = a.q.data() + m0 * a.k;
   const float* xd = a.d.data() + m0 * a.blocks;
   const float* gs = a.gsum.data() + m0 * a.gpad;
