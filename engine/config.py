@@ -76,11 +76,11 @@ class EngineConfig:
             (`engine.models.quant_linear.auto_packed_rows`), else off.
         greedy_head: "auto" or "off": greedy rows (temperature 0, no logprobs, nothing
             that changes their logits) of steps of at least `greedy_head.min_rows()` rows
-            (2 with AVX512-VNNI, 4 with the AVX2 pass) take their token from an int8 pass that bounds
-            every logit and the exact logits of the few rows that can be the maximum
-            (`engine.models.greedy_head`; the same token, bit for bit; a one-byte copy of
-            the head, logged); "auto" = on where it can serve (an int8 head, bf16 or
-            float32 activations, AVX512-VNNI or AVX2).
+            (2 with AVX512-VNNI, 4 with the AVX2 pass) take their token from an int8 pass
+            that bounds every logit and the exact logits of the few rows that can be the
+            maximum (`engine.models.greedy_head`; the same token, bit for bit; a one-byte
+            copy of the head, logged); "auto" = on where it can serve (an int8 head, bf16
+            or float32 activations, AVX512-VNNI or AVX2).
         kv_events_config: vLLM's ``--kv-events-config`` (JSON text or a dict), e.g.
             ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}``: the prefix
             cache's BlockStored / BlockRemoved events on a ZMQ PUB socket
