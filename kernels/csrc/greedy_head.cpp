@@ -143,6 +143,24 @@ struct Found {
   float floor = -std::numeric_limits<float>::infinity();  // what the list was last cut by
   size_t next = 64;  // cut again past this many
 
+  // Appends the tile's rows whose bit `keep` has (rows r0, r0 + 1, ...) with their upper
+  // bounds; past `next` entries, cuts the list by floor(), the lanes' largest lower bound.
+  // NOTE: that reduction happens only now and then, not every tile.
+  template <typename Floor>
+  void take(uint32_t keep, int64_t r0, const float* highs, Floor floor_now) {
+    while (keep != 0) {
+      const int i = __builtin_ctz(keep);
+      keep &= keep - 1;
+      index.push_back(static_cast<int32_t>(r0 + i));
+      high.push_back(highs[i]);
+    }
+    if (index.size() > next) {
+      floor = floor_now();
+      compact();
+      next = std::max(kCompact, 2 * index.size());
+    }
+  }
+
   void compact() {
     size_t n = 0;
     for (size_t i = 0; i < index.size(); ++i)
@@ -264,24 +282,11 @@ void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
   }
   if (!any) return;
   for (int j = 0; j < MB; ++j) {
-    __mmask16 keep = keeps[j];
+    const __mmask16 keep = keeps[j];
     if (keep == 0) continue;
-    Found& fd = found[m0 + j];
     alignas(64) float hs[kRows];
     _mm512_store_ps(hs, highs[j]);
-    while (keep != 0) {
-      const int i = __builtin_ctz(keep);
-      keep = static_cast<__mmask16>(keep & (keep - 1));
-      fd.index.push_back(static_cast<int32_t>(r0 + i));
-      fd.high.push_back(hs[i]);
-    }
-    // NOTE: the lanes' largest lower bound is reduced to the one floor the lists are cut
-    // by only now and then, not every tile
-    if (fd.index.size() > fd.next) {
-      fd.floor = lane_max(lanes[j]);
-      fd.compact();
-      fd.next = std::max(kCompact, 2 * fd.index.size());
-    }
+    found[m0 + j].take(keep, r0, hs, [&] { return lane_max(lanes[j]); });
   }
 }
 
@@ -419,19 +424,8 @@ void tile_rows(const Head& h, int64_t t, const std::vector<XRow>& xs,
       keep |= _mm256_movemask_ps(_mm256_cmp_ps(high, floor, _CMP_GE_OQ)) << (half * 8);
     }
     keep &= valid;
-    if (keep == 0) continue;
-    Found& fd = found[m0 + j];
-    while (keep != 0) {
-      const int i = __builtin_ctz(static_cast<unsigned>(keep));
-      keep &= keep - 1;
-      fd.index.push_back(static_cast<int32_t>(r0 + i));
-      fd.high.push_back(hs[i]);
-    }
-    if (fd.index.size() > fd.next) {
-      fd.floor = lane_max(lanes[j]);
-      fd.compact();
-      fd.next = std::max(kCompact, 2 * fd.index.size());
-    }
+    if (keep != 0)
+      found[m0 + j].take(static_cast<uint32_t>(keep), r0, hs, [&] { return lane_max(lanes[j]); });
   }
 }
 
@@ -549,6 +543,7 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
   std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
   return {index, offsets};
 #else
+  (void)m;  // the portable build has no pass
   TORCH_CHECK(false, "greedy_head_candidates: this build has neither AVX512-VNNI nor AVX2");
 #endif
 }
