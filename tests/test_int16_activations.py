@@ -67,7 +67,9 @@ def test_kernel_matches_its_float64_reference(cpu_variant: str, k: int, kind: st
     torch.manual_seed(k)
     qw = make(kind, group, torch.randn(75, k) * 0.05)
     bias = torch.randn(75)
-    for rows in (1, 2, 3, 4, 5, 9, 13):  # passes of 4 x rows, 4 / 2 / 1 weight rows a pass
+    # passes of 4 x rows, 4 / 2 / 1 weight rows a pass; from 32 rows (int8) panels of 16
+    # weight rows (75 = 4 x 16 + 11: a part panel) by 4 / 3 / 2 / 1 x rows
+    for rows in (1, 2, 3, 4, 5, 9, 13, 32, 39):
         x = torch.randn(rows, k)
         x[:, 7] *= 40.0  # an outlier channel: its block's scale is coarse
         x[0, 64:96] = 0.0  # an all-zero block (d = 0)
