@@ -20,6 +20,9 @@ packing, its auto dtype), so one machine measures the AVX2 path beside its own:
 
     python benchmarks/accuracy.py --variant 'avx2-gguf:cpu_isa=avx2,quantization=gguf'
 
+On such a CPU, `--reference 'f32:int16_activations=off,kv_cache_dtype=float32'` makes the
+reference plain float32 again (the default float32 there rounds activations to int16).
+
 Goal of the bf16 issue: top-1 >= 99%, perplexity within 1%.
 """
 
@@ -240,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated; the first is the reference")
     parser.add_argument("--variant", type=parse_variant, action="append", default=[],
                         help="NAME:KEY=VALUE,... extra LLM kwargs (repeatable)")
+    parser.add_argument("--reference", type=parse_variant, default=None,
+                        help="NAME:KEY=VALUE,... the reference's own LLM kwargs (default: the "
+                             "first dtype's defaults, which on a CPU without bf16 arithmetic "
+                             "are int16 activations and a bf16 KV cache)")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--cache-dir", default=None, help="where presets are converted")
@@ -255,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     if not dtypes:
         parser.error("--dtypes names no dtype")
     variants = [Variant(d, {"dtype": d}) for d in dtypes]
+    if args.reference is not None:
+        variants[0] = Variant(args.reference.name, {"dtype": dtypes[0],
+                                                    **args.reference.llm_kwargs})
     variants += [Variant(v.name, {"dtype": dtypes[0], **v.llm_kwargs}) for v in args.variant]
     if len({v.name for v in variants}) != len(variants) or len(variants) < 2:
         parser.error("need at least two variants with distinct names")
