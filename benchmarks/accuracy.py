@@ -233,6 +233,17 @@ def default_text() -> Path | None:
     return files[0] if files else None
 
 
+def variants_of(dtypes: list[str], reference: Variant | None,
+                extra: list[Variant]) -> list[Variant]:
+    """The run's variants, the reference first: one per dtype (the first replaced by
+    ``reference``, in that dtype unless it names one), then ``extra`` in the first dtype
+    unless they name one."""
+    variants = [Variant(d, {"dtype": d}) for d in dtypes]
+    if reference is not None:
+        variants[0] = Variant(reference.name, {"dtype": dtypes[0], **reference.llm_kwargs})
+    return variants + [Variant(v.name, {"dtype": dtypes[0], **v.llm_kwargs}) for v in extra]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma-3-270m", help="preset, HF folder or .gguf")
@@ -261,11 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes:
         parser.error("--dtypes names no dtype")
-    variants = [Variant(d, {"dtype": d}) for d in dtypes]
-    if args.reference is not None:
-        variants[0] = Variant(args.reference.name, {"dtype": dtypes[0],
-                                                    **args.reference.llm_kwargs})
-    variants += [Variant(v.name, {"dtype": dtypes[0], **v.llm_kwargs}) for v in args.variant]
+    variants = variants_of(dtypes, args.reference, args.variant)
     if len({v.name for v in variants}) != len(variants) or len(variants) < 2:
         parser.error("need at least two variants with distinct names")
     report = run(args.model, text_file.read_text(encoding="utf-8"), variants, tokens=args.tokens,

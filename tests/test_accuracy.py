@@ -33,6 +33,7 @@ from benchmarks.accuracy import (
     served_model,
     text_tokens,
     variant_logits,
+    variants_of,
 )
 from ringserve.engine.models import CausalLM
 from ringserve.engine.models.quant_linear import QuantLinear
@@ -222,6 +223,19 @@ def test_parse_variant() -> None:
     for bad in (":dtype=float32", "x:dtype", "x:=1"):
         with pytest.raises(Exception, match="variant"):
             parse_variant(bad)
+
+
+def test_variants_of_puts_the_reference_first() -> None:
+    extra = [parse_variant("int8:quantization=int8"), parse_variant("b:dtype=bfloat16")]
+    plain = variants_of(["float32", "bfloat16"], None, extra)
+    assert [v.name for v in plain] == ["float32", "bfloat16", "int8", "b"]
+    assert plain[2].llm_kwargs == {"dtype": "float32", "quantization": "int8"}
+    assert plain[3].llm_kwargs == {"dtype": "bfloat16"}
+    ref = parse_variant("f32:int16_activations=off,kv_cache_dtype=float32")
+    own = variants_of(["float32"], ref, extra[:1])
+    assert own[0] == Variant("f32", {"dtype": "float32", "int16_activations": "off",
+                                     "kv_cache_dtype": "float32"})
+    assert own[1].name == "int8"
 
 
 def test_text_tokens_start_with_bos(tiny: Tiny) -> None:
