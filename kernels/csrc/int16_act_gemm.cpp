@@ -3,7 +3,7 @@
 // of 32 values (one float32 scale a block), weight values are widened to int16 in
 // registers, and AVX2's madd (16 int16 x int16 products summed in pairs to int32) multiplies
 // them; each block's int32 sums are scaled by (weight scale x block scale) into float32.
-// From 32 x rows an int8 weight is multiplied by panels of 16 weight rows instead
+// From 32 x rows the weight is multiplied by panels of 16 weight rows instead
 // (`run_panels`): the same sums, each chunk of a weight group summed whole in int32.
 //
 // Why: on CPUs without bf16 arithmetic (AVX2-only, AVX-512 without BF16) the float32 FMA
@@ -143,6 +143,17 @@ inline __m256i load16_epi16(const uint8_t* p, bool is_signed) {
   return is_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
 }
 
+// A 4-bit row's 64 values from their 32 bytes at p (kernels/quant.py: values 0-31 in the
+// low nibbles, 32-63 in the high ones) as int16: values 0-15, 16-31, 32-47, 48-63.
+inline void widen_nibbles(const uint8_t* p, __m256i (&v)[4]) {
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  const __m256i a = load16_epi16(p, false), c = load16_epi16(p + 16, false);
+  v[0] = _mm256_and_si256(a, nibble);
+  v[1] = _mm256_and_si256(c, nibble);
+  v[2] = _mm256_srli_epi16(a, 4);
+  v[3] = _mm256_srli_epi16(c, 4);
+}
+
 // Weight rows [r, r + R) dotted with x rows [0, M) (x rows from `xq` / `xd` / `gs`).
 template <int BITS, int M, int R>
 inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const float* gs,
@@ -198,14 +209,13 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
     __m256 s1[R];
     for (int64_t b = 0; b < blocks; b += 2) {
       const int64_t j = b * kBlock;
-      const __m256i nibble = _mm256_set1_epi16(0x0F);
       for (int i = 0; i < R; ++i) {
-        const __m256i a = load16_epi16(rows[i] + j / 2, false);
-        const __m256i c = load16_epi16(rows[i] + j / 2 + 16, false);
-        lo[i] = _mm256_and_si256(a, nibble);
-        hi[i] = _mm256_and_si256(c, nibble);
-        lo1[i] = _mm256_srli_epi16(a, 4);
-        hi1[i] = _mm256_srli_epi16(c, 4);
+        __m256i v[4];
+        widen_nibbles(rows[i] + j / 2, v);
+        lo[i] = v[0];
+        hi[i] = v[1];
+        lo1[i] = v[2];
+        hi1[i] = v[3];
         slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
         s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
       }
@@ -286,15 +296,12 @@ inline void pack_panel(const Weight& w, int64_t n0, int64_t n, int64_t chunk, in
       continue;
     }
     const uint8_t* row = w.data + r * w.row_bytes;
-    // NOTE: a 4-bit row's 64 values are 32 bytes, values 0-31 in their low nibbles and 32-63
-    // in their high ones (kernels/quant.py; k is a multiple of 64 there, of 32 for int8)
+    // (k is a multiple of 64 for 4-bit weights, of 32 for int8)
     constexpr int64_t kStep = BITS == 4 ? 64 : 32;
     for (int64_t j = 0; j < k; j += kStep) {
       if constexpr (BITS == 4) {
-        const __m256i nibble = _mm256_set1_epi16(0x0F);
-        const __m256i a = load16_epi16(row + j / 2, false), c = load16_epi16(row + j / 2 + 16, false);
-        const __m256i parts[4] = {_mm256_and_si256(a, nibble), _mm256_and_si256(c, nibble),
-                                  _mm256_srli_epi16(a, 4), _mm256_srli_epi16(c, 4)};
+        __m256i parts[4];
+        widen_nibbles(row + j / 2, parts);
         for (int t = 0; t < 4; ++t)
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide + 16 * t), parts[t]);
       } else {
