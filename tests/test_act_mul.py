@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.engine.models.layers import MLP
-from ringserve.kernels import cpu_act, cpu_build
+from ringserve.kernels import cpu_act, cpu_build, cpu_isa
 
 
 def _torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,9 @@ def test_the_wrapper_answers_torchs_bits_or_nothing(cpu_variant: str, rows: int,
 
 def test_other_inputs_are_left_to_torch() -> None:
     x = torch.randn(4, 64)
-    assert cpu_act.gelu_tanh_mul(x, x) is None  # float32
+    assert cpu_act.gelu_tanh_mul(x[None], x[None]) is None  # not [rows, n]
+    assert cpu_act.gelu_tanh_mul(x.t(), x.t()) is None  # not a unit last stride
+    assert cpu_act.gelu_tanh_mul(x, x.double()) is None  # up of another dtype
     b = x.to(torch.bfloat16)
     assert cpu_act.gelu_tanh_mul(b[None], b[None]) is None  # not [rows, n]
     assert cpu_act.gelu_tanh_mul(b.t(), b.t()) is None  # not a unit last stride
@@ -86,3 +88,53 @@ def test_the_mlp_uses_it_and_keeps_its_bits(monkeypatch: pytest.MonkeyPatch,
         want = mlp(x)
     assert calls == [torch.Size([7, 256])]
     assert torch.equal(got, want)
+
+
+def _gelu_times_up_f64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The float64 tanh GELU of gate (float32 values), rounded to float32 as the op rounds
+    it, times up in float64. 0.5 (1 + tanh(u)) is written sigmoid(2u), its equal: the
+    first form cancels to 0 in float64 too once tanh(u) rounds to -1 (u < ~-19)."""
+    g = gate.double()
+    act = g * torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g**3))
+    return act.float().double() * up.double()
+
+
+@pytest.mark.parametrize("n", [2048, 1000, 7])
+def test_float32_pass_within_float64s_gelu(cpu_variant: str, n: int) -> None:
+    """Every build's float32 pass (its vectors and its scalar tail) against float64 over
+    gate values from 1e-3 to the far tails, where torch's own formula loses every digit on
+    the negative side (1 + tanh(u) cancels)."""
+    gen = torch.Generator().manual_seed(n)
+    fused = torch.randn(8, 2 * n, generator=gen)
+    fused[:, :n] *= torch.tensor([1e-3, 0.1, 1, 2, 3, 5, 10, 30])[:, None]
+    gate, up = fused.chunk(2, dim=-1)  # views with a row stride, as the model's
+    got = cpu_build.ops(cpu_variant).gelu_tanh_mul_f32(gate, up).double()
+    want = _gelu_times_up_f64(gate, up)
+    # the argument 2u is rounded (a few float32 ulps), and e^-|2u| moves by |2u| times that
+    # relative error: so the bound grows with |2u| on the negative tail (80 at gate -9)
+    g = gate.double()
+    two_u = (2 * 0.7978845608028654 * (g + 0.044715 * g**3)).abs()
+    # and from 2u < -87 on the op answers 0 (its exp floor): |gate * up| e^-87 < 1e-35 here
+    assert ((got - want).abs() <= (2e-6 + 2e-7 * two_u) * want.abs() + 1e-35).all()
+
+
+def test_float32_pass_special_values_as_torchs(cpu_variant: str) -> None:
+    values = [float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 3e38, -3e38, 0.0, -0.0,
+              1e-30, -1e-30, 1e-44, -10.0, -50.0, 60.0]
+    gate = torch.tensor([values * 2])  # both the vector pass and the scalar tail
+    up = torch.ones_like(gate)
+    got = cpu_build.ops(cpu_variant).gelu_tanh_mul_f32(gate, up)
+    assert _same_bits(got, _torch(gate, up)), (got, _torch(gate, up))
+
+
+def test_float32_rows_take_the_pass_on_vector_builds() -> None:
+    """The wrapper answers float32 rows with this CPU's pass where it has a vector one (not
+    the portable build, slower than torch), else leaves them to torch."""
+    gate, up = torch.randn(3, 100), torch.randn(3, 100)
+    op = cpu_act.f32_op()
+    got = cpu_act.gelu_tanh_mul(gate, up)
+    if cpu_isa.info().variant == "portable" or not cpu_build.available():
+        assert op is None and got is None
+    else:
+        assert op is not None and got is not None and torch.equal(got, op(gate, up))
+        assert torch.allclose(got, _torch(gate, up), rtol=1e-5, atol=1e-6)

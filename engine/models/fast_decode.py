@@ -60,11 +60,14 @@ def _linear(module: nn.Module, dtype: torch.dtype) -> Linear | None:
 def _act_mul(mlp: MLP, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
                                                       torch.Tensor]:
     """``act(gate) * up`` as `MLP.forward` computes it for CPU rows of ``dtype``: the
-    compiled tanh GELU pass where `cpu_act.gelu_tanh_mul` takes them (bf16, the width a
-    multiple of its vector), else torch's two ops."""
+    compiled tanh GELU pass where `cpu_act.gelu_tanh_mul` takes them (bf16 with the width
+    a multiple of its vector, or float32 on a vector build), else torch's two ops."""
     half = mlp.gate_up_proj.out_features // 2
-    op = cpu_act._op() if (mlp.gelu_tanh and dtype == torch.bfloat16
-                           and half % cpu_act._VECTOR == 0) else None
+    op = None
+    if mlp.gelu_tanh and dtype == torch.bfloat16 and half % cpu_act._VECTOR == 0:
+        op = cpu_act._op()
+    elif mlp.gelu_tanh and dtype == torch.float32:
+        op = cpu_act.f32_op()
     if op is not None:
         compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = op
         return compiled
