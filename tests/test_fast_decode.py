@@ -17,25 +17,35 @@ import torch
 
 from ringserve.engine import LLM, SamplingParams
 from ringserve.engine.models import fast_decode
-from ringserve.kernels import cpu_build, cpu_quant
+from ringserve.kernels import cpu_act, cpu_build, cpu_quant
 from tests.tiny_models import make_checkpoint, random_tokens
 
 PROMPTS = [random_tokens(n, seed=n) for n in (3, 11, 30, 17, 5)]
 
 
 def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
+         compiled: bool = True, built: list[int] | None = None,
          **kwargs: Any) -> tuple[list[list[int]], list[list[float]], int]:
     """Greedy tokens and their logprobs of every prompt, and the decode steps the fast
-    path ran."""
+    path ran (``compiled``: its loop in C++ where the layers allow; each time that loop is
+    made is appended to ``built``)."""
     monkeypatch.setenv("RINGSERVE_FAST_DECODE", "1" if fast else "0")
+    monkeypatch.setenv("RINGSERVE_DECODE_LAYERS", "1" if compiled else "0")
     runs = []
     real = fast_decode.FastDecode.run
+    real_loop = fast_decode.FastDecode._compiled_loop
 
     def counted(self: fast_decode.FastDecode, *args: object) -> torch.Tensor:
         runs.append(1)
         return real(self, *args)  # type: ignore[arg-type]
 
+    def made(self: fast_decode.FastDecode, ropes: list[int]) -> Any:
+        if built is not None:
+            built.append(1)
+        return real_loop(self, ropes)
+
     monkeypatch.setattr(fast_decode.FastDecode, "run", counted)
+    monkeypatch.setattr(fast_decode.FastDecode, "_compiled_loop", made)
     kwargs.setdefault("dtype", "bfloat16")
     llm = LLM(str(path), kv_cache_memory="8MiB", max_model_len=96, max_num_seqs=4,
               **kwargs)  # type: ignore[arg-type]
@@ -48,22 +58,28 @@ def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
 
 
 # (the tiny models' MLP is 96 wide, which the compiled GELU pass does not take; 128 does;
-# float32 rows with int16 activations are the AVX2 class's default)
-CASES = [("gemma3_text", "int8", None, None, "bfloat16"),
-         ("gemma3_text", "int4", None, None, "bfloat16"),
-         ("gemma3_text", "none", None, None, "bfloat16"),
-         ("gemma2", "int8", None, None, "bfloat16"),
-         ("gemma3_text", "int8", 2, None, "bfloat16"),
-         ("gemma3_text", "int8", None, 128, "bfloat16"),
-         ("gemma3_text", "int8", None, 128, "float32"),
-         ("gemma3_text", "int4", None, None, "float32")]
+# float32 rows with int16 activations are the AVX2 class's default). The last column: whether
+# every linear takes int16 activations, so that the loop runs in C++ (decode_layers.cpp)
+# where the build has the float32 GELU pass: with int4 the 96-wide down_proj stays float
+# (its k is no multiple of 64).
+CASES = [("gemma3_text", "int8", None, None, "bfloat16", False),
+         ("gemma3_text", "int4", None, None, "bfloat16", False),
+         ("gemma3_text", "none", None, None, "bfloat16", False),
+         ("gemma2", "int8", None, None, "bfloat16", False),
+         ("gemma3_text", "int8", 2, None, "bfloat16", False),
+         ("gemma3_text", "int8", None, 128, "bfloat16", False),
+         ("gemma3_text", "int8", None, 128, "float32", True),
+         ("gemma3_text", "int8", None, None, "float32", True),
+         ("gemma3_text", "int4", None, None, "float32", False)]
 
 
-@pytest.mark.parametrize(("family", "quantization", "packed_rows", "mlp", "dtype"), CASES)
+@pytest.mark.parametrize(("family", "quantization", "packed_rows", "mlp", "dtype", "loop"),
+                         CASES)
 def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathlib.Path,
                                                monkeypatch: pytest.MonkeyPatch, family: str,
                                                quantization: str, packed_rows: int | None,
-                                               mlp: int | None, dtype: str) -> None:
+                                               mlp: int | None, dtype: str,
+                                               loop: bool) -> None:
     if packed_rows is not None and not cpu_quant.has_tiles():
         pytest.skip(f"the {cpu_variant} build keeps no bf16 tiles (they need AVX512-BF16)")
     path = make_checkpoint(family, tmp_path,
@@ -72,12 +88,20 @@ def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathl
                                  "dtype": dtype}
     if dtype == "float32":
         kwargs["int16_activations"] = "on"
-    fast_tokens, fast_logprobs, ran = _run(path, monkeypatch, True, **kwargs)
+    built: list[int] = []
+    fast_tokens, fast_logprobs, ran = _run(path, monkeypatch, True, built=built, **kwargs)
     tokens, logprobs, off = _run(path, monkeypatch, False, **kwargs)
     assert off == 0
     assert fast_tokens == tokens
     assert fast_logprobs == logprobs
     assert (ran > 0) == cpu_build.available()  # the decode-only steps took the fast path
+    # float32 rows over int16 activations run the loop in C++ (decode_layers.cpp) where the
+    # build has the float32 GELU pass; made once (the norms' scales do not change)
+    compiled = loop and cpu_act.f32_op() is not None
+    assert built == ([1] if compiled else [])
+    if compiled:  # and the Python loop it replaces gives the same bits
+        py_tokens, py_logprobs, _ = _run(path, monkeypatch, True, compiled=False, **kwargs)
+        assert (py_tokens, py_logprobs) == (tokens, logprobs)
 
 
 @pytest.mark.parametrize("family", ["llama", "olmo3"])

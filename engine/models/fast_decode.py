@@ -18,6 +18,12 @@ norms and rotary are compiled too: the AVX2 default) whose layers are "sandwich"
 3: four RMSNorms) with their own K/V, rotary embeddings and fused q/k/v and gate/up
 projections, in steps where every row is one decode token. Anything else runs the
 modules. ``RINGSERVE_FAST_DECODE=0`` turns it off (to compare the two).
+
+Where every op of a layer is one of our compiled ones (float32 rows over int16-activation
+linears, with the compiled float32 GELU: the AVX2 class's default), the loop itself runs in
+C++ (`kernels/csrc/decode_layers.cpp`): the same op calls through torch's dispatcher, without
+~2-3 us of Python a call (~0.7 ms of a one-row step of gemma-3-270m on a Zen 3).
+``RINGSERVE_DECODE_LAYERS=0`` keeps the loop here (to compare the two).
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 def enabled() -> bool:
     return os.environ.get("RINGSERVE_FAST_DECODE", "1") != "0"
+
+
+def compiled_loop_enabled() -> bool:
+    return os.environ.get("RINGSERVE_DECODE_LAYERS", "1") != "0"
 
 
 def _linear(module: nn.Module, dtype: torch.dtype) -> Linear | None:
@@ -88,6 +98,9 @@ class _Layer:
     gate_up: Linear
     down: Linear
     act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # the four linears' int16-activation call arguments (`QuantLinear.int16_args`) where
+    # the layer can run in the compiled loop (its GELU the compiled float32 pass too)
+    int16: list[tuple[Any, ...]] | None = None
     mods: list[RMSNorm] = field(default_factory=list)  # the four, then q_norm and k_norm
     scales: tuple[torch.Tensor, ...] = ()
     # what the step reads of the modules, read once here: every read of a module attribute
@@ -123,6 +136,12 @@ class FastDecode:
         self._versions: list[int] = []
         self._rows: dict[int, torch.Tensor] = {}  # arange(n) int64: decode rows' indices
         self._caches: list[Any] | None = None  # the caches `takes` last found fit
+        # the compiled loop (`decode_layers.cpp`) where every layer can take it: made on the
+        # first step, again when the norms' scales are fetched again
+        self._compiled_ok = all(layer.int16 is not None for layer in layers)
+        self._compiled: Any = None
+        self._compiled_ropes: list[int] = []
+        self._flat: tuple[list[Any], list[torch.Tensor]] | None = None  # caches, flattened
 
     def _norm_scales(self) -> None:
         versions = [w._version for w in self._weights]
@@ -130,6 +149,27 @@ class FastDecode:
             for layer in self.layers:
                 layer.fetch_scales()
             self._versions = versions
+            self._compiled = None
+
+    def _compiled_loop(self, ropes: list[int]) -> Any:
+        """The `DecodeLayers` object of these layers (their constants as of now; layer i
+        rotated by table ``ropes[i]``)."""
+        none = torch.empty(0)
+        tensors: list[torch.Tensor] = []
+        floats: list[float] = []
+        ints: list[int] = []
+        for i, layer in enumerate(self.layers):
+            group, heads, kv_heads, dim, scale, window, softcap, qk_norm = layer.shape
+            scales = layer.scales
+            tensors += [*scales[:4], *((scales[4], scales[5]) if qk_norm else (none, none))]
+            assert layer.int16 is not None
+            for weight, wscales, mins, _bits, _group, bias in layer.int16:
+                tensors += [weight, wscales, none if mins is None else mins,
+                            none if bias is None else bias]
+            floats += [*layer.eps, scale, softcap]
+            ints += [heads, kv_heads, dim, group, window, ropes[i],
+                     *(v for args in layer.int16 for v in (args[3], args[4]))]
+        return getattr(torch.classes, self.ops.name).DecodeLayers(tensors, floats, ints)
 
     @staticmethod
     def signature(model: Any) -> tuple[Any, ...]:
@@ -175,9 +215,24 @@ class FastDecode:
             if any(f is None for f in linears):
                 return None
             qkv, o, gate_up, down = (f for f in linears if f is not None)
-            layers.append(_Layer(attn, norms, qkv, o, gate_up, down, _act_mul(mlp, dtype)))
-        logger.info("decode steps: each layer's compiled ops called in one flat sequence "
-                    "(engine/models/fast_decode.py; RINGSERVE_FAST_DECODE=0 for the modules)")
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            int16: list[tuple[Any, ...]] = []
+            for m in modules:
+                args = m.int16_args(dtype) if isinstance(m, QuantLinear) else None
+                if args is not None:
+                    int16.append(args)
+            compiled = (mlp.gelu_tanh and f32 and cpu_act.f32_op() is not None
+                        and len(int16) == len(modules))
+            layers.append(_Layer(attn, norms, qkv, o, gate_up, down, _act_mul(mlp, dtype),
+                                 int16 if compiled else None))
+        if all(layer.int16 is not None for layer in layers):
+            logger.info("decode steps: the layers' compiled ops called from one compiled loop "
+                        "(kernels/csrc/decode_layers.cpp; RINGSERVE_DECODE_LAYERS=0 for the "
+                        "Python loop, RINGSERVE_FAST_DECODE=0 for the modules)")
+        else:
+            logger.info("decode steps: each layer's compiled ops called in one flat sequence "
+                        "(engine/models/fast_decode.py; RINGSERVE_FAST_DECODE=0 for the "
+                        "modules)")
         return cls(layers, ops, dtype)
 
     def takes(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[Any],
@@ -213,6 +268,18 @@ class FastDecode:
         group_tables = [(g.block_tables.to(torch.int32).contiguous(), g.slot_mapping,
                          g.ring_blocks or 0) for g in batch.groups]
         self._norm_scales()
+        if self._compiled_ok and compiled_loop_enabled():
+            ropes = [r for r in rope_of_layer if r is not None]
+            if self._compiled is None or ropes != self._compiled_ropes:
+                self._compiled, self._compiled_ropes = self._compiled_loop(ropes), ropes
+            flat = self._flat
+            if flat is None or flat[0] is not kv_caches:
+                flat = self._flat = (kv_caches, [c for kv in kv_caches for c in kv])
+            out: torch.Tensor = self._compiled.run(
+                x, [c for c, _ in rotary], [s for _, s in rotary], [t for t, _, _ in group_tables],
+                [s for _, s, _ in group_tables], [r for _, _, r in group_tables], rows, ctxs,
+                flat[1])
+            return out
         for i, layer in enumerate(self.layers):
             group, heads, kv_heads, dim, scale, window, softcap, qk_norm = layer.shape
             table, slots, ring = group_tables[group]

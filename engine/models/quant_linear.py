@@ -170,6 +170,16 @@ class QuantLinear(nn.Module):
             out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def int16_args(self, dtype: torch.dtype) -> tuple[Any, ...] | None:
+        """What `fixed_forward`'s int16-activation call passes after the rows (weight,
+        scales, mins, bits, group, bias), where that is the call it makes for rows of
+        ``dtype``; else None. For a caller that makes the call itself (the compiled decode
+        layers, `engine.models.fast_decode`)."""
+        if dtype != torch.float32 or not self.int16_acts:
+            return None
+        qw = self.qw
+        return qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, self.bias
+
     def fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for 2-D rows of ``dtype``, its choices made now: the kernel call it
         would make for each row count, for a caller that runs it every step
