@@ -52,6 +52,21 @@ void gelu_tanh_mul_row(const Bf16* __restrict g, const Bf16* __restrict u, int64
   }
 }
 
+// fn(row, first value, count) over pieces of 1024 values of each of `rows` rows of n, the
+// pieces spread over the threads.
+// NOTE: pieces, not rows, a work item, so that few rows still use every thread
+template <typename Fn>
+void for_pieces(int64_t rows, int64_t n, const Fn& fn) {
+  constexpr int64_t kPiece = 1024;
+  const int64_t pieces = (n + kPiece - 1) / kPiece;
+  ringserve::parallel_for(0, rows * pieces, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / pieces, lo = (w % pieces) * kPiece;
+      fn(r, lo, std::min(kPiece, n - lo));
+    }
+  });
+}
+
 // gate, up: bf16 [rows, n], unit stride in n (views of one fused projection are fine);
 // table: 65,536 bf16 values, table[b] = torch's gelu(tanh) of the bf16 value with bits b.
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& table) {
@@ -70,15 +85,8 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up, const at:
   const Bf16* t = table.data_ptr<Bf16>();
   Bf16* o = out.data_ptr<Bf16>();
   const int64_t gs = gate.stride(0), us = up.stride(0);
-  // NOTE: pieces of 1024 values a work item, so that few rows still use every thread
-  constexpr int64_t kPiece = 1024;
-  const int64_t pieces = (n + kPiece - 1) / kPiece;
-  ringserve::parallel_for(0, rows * pieces, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / pieces, lo = (w % pieces) * kPiece;
-      const int64_t len = std::min(kPiece, n - lo);
-      gelu_tanh_mul_row(g + r * gs + lo, u + r * us + lo, len, t, o + r * n + lo);
-    }
+  for_pieces(rows, n, [&](int64_t r, int64_t lo, int64_t len) {
+    gelu_tanh_mul_row(g + r * gs + lo, u + r * us + lo, len, t, o + r * n + lo);
   });
   return out;
 }
@@ -140,14 +148,8 @@ at::Tensor gelu_tanh_mul_f32(const at::Tensor& gate, const at::Tensor& up) {
   const float* u = up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t gs = gate.stride(0), us = up.stride(0);
-  constexpr int64_t kPiece = 1024;
-  const int64_t pieces = (n + kPiece - 1) / kPiece;
-  ringserve::parallel_for(0, rows * pieces, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / pieces, lo = (w % pieces) * kPiece;
-      gelu_tanh_mul_f32_row(g + r * gs + lo, u + r * us + lo, std::min(kPiece, n - lo),
-                            o + r * n + lo);
-    }
+  for_pieces(rows, n, [&](int64_t r, int64_t lo, int64_t len) {
+    gelu_tanh_mul_f32_row(g + r * gs + lo, u + r * us + lo, len, o + r * n + lo);
   });
   return out;
 }
