@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 _VECTOR = 64
 # variant -> the op over the table, or None where it is not used
 _ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {}
+# variant -> the float32 pass, or None where it is not used (`f32_op`)
+_f32_ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {}
 
 
 def _every_bf16() -> torch.Tensor:
@@ -88,12 +90,13 @@ def usable() -> bool:
 
 
 def f32_op() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """The float32 pass of this CPU's build where it is used (a vector build), else None."""
+    """The float32 pass of this CPU's build where it is used (a vector build), else None;
+    looked up once per variant (every float32 MLP call asks)."""
     variant = cpu_isa.info().variant
-    if variant == "portable" or not available(variant):
-        return None
-    op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = ops(variant).gelu_tanh_mul_f32
-    return op
+    if variant not in _f32_ops:
+        usable = variant != "portable" and available(variant)
+        _f32_ops[variant] = ops(variant).gelu_tanh_mul_f32 if usable else None
+    return _f32_ops[variant]
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:

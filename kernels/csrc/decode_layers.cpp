@@ -141,8 +141,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     return x;
   }
 
-  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   at::Tensor linear(const Linear& lin, const at::Tensor& x) const {
     return int16_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
@@ -185,6 +183,5 @@ class DecodeLayers : public torch::CustomClassHolder {
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>>())
-      .def("run", &DecodeLayers::run)
-      .def("layers", &DecodeLayers::layers);
+      .def("run", &DecodeLayers::run);
 }
