@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_REQ ?= requirements/torch-cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint bench bench-peers clean
+.PHONY: serve test test-aarch64 lint bench bench-peers clean
 
 $(VENV)/.stamp-base: pyproject.toml $(TORCH_REQ)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ $(VLLM_KV_EVENTS): $(VENV)/.stamp-base
 test: $(VENV)/.stamp-test $(VENV)/.stamp-models $(VENV)/.stamp-debian $(LLAMACPP_CONVERT) \
 		$(VLLM_KV_EVENTS)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The portable kernels' tests on an emulated aarch64 (qemu-user; .ci/aarch64 says how). Not
+# part of `make test`. Other tests through TESTS, e.g. `make test-aarch64 TESTS=tests/test_act_mul.py`.
+test-aarch64: $(VENV)/.stamp-base
+	.ci/aarch64 $(TESTS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check .
