@@ -67,10 +67,10 @@ def _bound(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def _agrees(variant: str) -> bool:
     """Whether the op equals torch's gelu-then-mul on every bf16 value of gate, both as
     contiguous rows and as the halves of one fused [rows, 2n] tensor (the model's gate_up).
-    NOTE: torch's own bits can depend on the layout: torch 2.6 on aarch64 gave other bits
-    for ~0.4% of a strided view's values than for the same values contiguous (run under
-    qemu, 2026-12-05), so the op, which gives the contiguous ones, is used only where
-    torch agrees with itself."""
+    NOTE: torch's own bits can depend on the layout: torch 2.6 and 2.10 on aarch64 gave
+    other bits for some of a strided view's values (2.6: ~0.4%) than for the same values
+    contiguous (run under qemu, 2026-12-05), so the op, which gives the contiguous ones, is
+    used only where torch agrees with itself."""
     every = _every_bf16()
     up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     fused = torch.cat([every, up], dim=-1)

@@ -32,8 +32,8 @@ def test_every_bf16_value_as_torchs(cpu_variant: str) -> None:
 def test_used_where_torch_agrees_with_itself(cpu_variant: str) -> None:
     """The op is used exactly where torch's bits for the halves of a fused [rows, 2n]
     tensor (the model's gate_up) equal its bits for the same values contiguous: on x86-64
-    with this project's torch they do (so it is used); torch 2.6 on aarch64 gave other
-    bits for some values of the strided view."""
+    with this project's torch they do (so it is used); torch 2.6 and 2.10 on aarch64 gave
+    other bits for some values of the strided view."""
     every = cpu_act._every_bf16()
     up = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     gate, u = torch.cat([every, up], dim=-1).chunk(2, dim=-1)
@@ -86,7 +86,7 @@ def test_other_inputs_are_left_to_torch() -> None:
 
 @pytest.mark.skipif(not cpu_build.available() or not cpu_act.usable(),
                     reason="needs the compiled CPU kernels (a C++ compiler) and a torch whose "
-                    "gelu bits do not depend on the layout (torch 2.6 on aarch64's do)")
+                    "gelu bits do not depend on the layout (on aarch64 it does)")
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_mlp_uses_it_and_keeps_its_bits(monkeypatch: pytest.MonkeyPatch,
                                             fused: bool) -> None:
