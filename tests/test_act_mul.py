@@ -42,7 +42,7 @@ def test_used_where_torch_agrees_with_itself(cpu_variant: str) -> None:
     if cpu_isa.info().arch in ("x86_64", "AMD64"):
         assert torch_self_consistent  # where this project's CI runs, the op is in use
     cpu_act._ops.pop(cpu_isa.info().variant, None)
-    assert cpu_act.usable() == (cpu_act._agrees(cpu_isa.info().variant))
+    assert cpu_act.usable() == cpu_act._agrees(cpu_isa.info().variant)
 
 
 def test_the_table_is_torchs_gelu_at_each_values_bits() -> None:
