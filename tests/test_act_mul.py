@@ -45,6 +45,24 @@ def test_used_where_torch_agrees_with_itself(cpu_variant: str) -> None:
     assert cpu_act.usable() == cpu_act._agrees(cpu_isa.info().variant)
 
 
+def test_a_torch_whose_strided_bits_differ_turns_it_off(cpu_variant: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's gelu gives other bits on a strided view than on the same values
+    contiguous (as torch on aarch64 does), the op is not used: here torch is made so by
+    flipping the last bit of one value of every strided result."""
+    gelu = F.gelu
+
+    def layout_dependent(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        out = gelu(x, approximate=approximate)
+        if not x.is_contiguous():
+            out = out.clone()
+            out.view(torch.int16)[0, 1] ^= 1
+        return out
+
+    monkeypatch.setattr(F, "gelu", layout_dependent)
+    assert not cpu_act._agrees(cpu_variant)
+
+
 def test_the_table_is_torchs_gelu_at_each_values_bits() -> None:
     table = cpu_act.table()
     for value in (0.0, -0.0, 1.0, -2.5, 3e38, float("inf"), float("-inf"), float("nan")):
