@@ -6,10 +6,12 @@ explicit target flags and its own op namespace, ``torch.ops.ringserve_<variant>`
 several variants load side by side in one process (tests compare them). The process serves
 with the variant of its CPU class; `ops()` returns that namespace.
 
-A build (about 15-60 s) lands in torch's extension cache (TORCH_EXTENSIONS_DIR), keyed by
-the sources and the flags, and is loaded from there afterwards. Where it cannot be built
-(no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is set, `available()` is False and every
-caller keeps its torch path.
+A build (about 15-60 s) lands in torch's extension cache (TORCH_EXTENSIONS_DIR) under a
+folder named by what makes the library (`build_key`: the sources, the flags, the compiler,
+torch, the CPU model) and is loaded from there afterwards by every copy of the sources: a
+clone at another path or a wheel installed elsewhere finds the same build. Where it cannot
+be built (no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is set, `available()` is False
+and every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sysconfig
 import threading
 from pathlib import Path
 from typing import Any
@@ -58,12 +62,66 @@ def _flags(variant: str) -> list[str]:
         raise ValueError(f"kernel variant {variant} is x86-64 only")
     # NOTE: -fopenmp so ATen's inline parallel_for really runs in parallel; the OpenMP
     # calls resolve to torch's own runtime when the library loads.
-    # NOTE: torch keys its build cache by the .cpp sources and the flags; the hash of every
-    # file (headers too) in the flags makes a changed header rebuild.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()))).hexdigest()
     tune = _TUNE if platform.machine() in ("x86_64", "AMD64") else []
-    return ["-O3", "-fopenmp", *FLAGS[variant], *tune, f"-DRINGSERVE_NS=ringserve_{variant}",
-            f"-DRINGSERVE_SOURCES={digest[:12]}"]
+    return ["-O3", "-fopenmp", *FLAGS[variant], *tune, f"-DRINGSERVE_NS=ringserve_{variant}"]
+
+
+def build_key(variant: str) -> str:
+    """What the library of ``variant`` is made from, hashed: every file of ``csrc`` (headers
+    too) by name and content, the flags, the compiler (CXX), the Python and torch it builds
+    against (torch's headers and libraries; the folder too, since ninja's commands name it),
+    and the CPU model, which ``-mtune=native`` reads. Never the sources' own path."""
+    h = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        h.update(path.read_bytes())
+    for part in (*_flags(variant), os.environ.get("CXX", "c++"), platform.machine(),
+                 sysconfig.get_paths()["include"], torch.__version__,
+                 str(Path(torch.__file__).parent), cpu_isa.info().model):
+        h.update(f"{part}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(variant: str) -> Path:
+    """Where the library of ``variant`` is built from its own copy of the sources: one
+    folder per `build_key` in torch's extension cache (TORCH_EXTENSIONS_DIR when set)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / "ringserve" / f"{variant}-{build_key(variant)}"
+
+
+# A source change makes a new folder; the folders of a variant not loaded the longest past
+# this many go (about 4 MiB each).
+_KEEP = 8
+
+
+def _prepare(variant: str) -> Path:
+    """The build folder of ``variant`` with the sources copied in (each file written whole
+    and renamed into place, so a process beside this one never reads half of one), the
+    folder marked as used now, and the variant's least recently used folders past `_KEEP`
+    removed."""
+    where = build_dir(variant)
+    src = where / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for path in sorted(_CSRC.iterdir()):
+        target, data = src / path.name, path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    (where / "used").touch()
+
+    def last_used(folder: Path) -> float:
+        try:
+            return (folder / "used").stat().st_mtime
+        except OSError:  # not marked yet, or removed meanwhile by another process
+            return 0.0
+
+    others = sorted((d for d in where.parent.glob(f"{variant}-*") if d != where), key=last_used)
+    for old in others[:max(0, len(others) - (_KEEP - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    return where
 
 
 def available(variant: str | None = None) -> bool:
@@ -93,8 +151,12 @@ def _build(variant: str) -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=f"ringserve_{variant}", sources=[str(p) for p in _SOURCES],
-             extra_cflags=_flags(variant), is_python_module=False, verbose=False)  # fmt: skip
+        # NOTE: built from the copy in the build folder, so that ninja's commands are the
+        # same whichever copy of the sources asked (a path in them would rebuild the lot).
+        where = _prepare(variant)
+        load(name=f"ringserve_{variant}", sources=[str(where / "src" / p.name) for p in _SOURCES],
+             extra_cflags=_flags(variant), build_directory=str(where), is_python_module=False,
+             verbose=False)  # fmt: skip
     except Exception as err:  # no compiler, no ninja, a build error: serve with torch
         lines = str(err).strip().splitlines()
         logger.warning("%s CPU kernels unavailable, using the torch paths: %s", variant,

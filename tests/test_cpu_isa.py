@@ -6,6 +6,7 @@ The flag sets are the /proc/cpuinfo flags of the three machines this project has
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -107,6 +108,57 @@ def test_variants_are_separate_libraries(cpu_variant: str) -> None:
     assert bool(cpu_build.ops(cpu_variant).quant_linear_supported()) == (
         cpu_variant == "avx512_bf16")
     assert cpu_build.FLAGS["portable"] == []  # no target flags: the compiler's default ISA
+
+
+def test_the_build_key_follows_the_sources_not_their_path(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same files at another path are the same build; a changed header, another variant
+    or another CPU model (-mtune=native reads it) are another."""
+    import shutil
+
+    variant = cpu_isa.info().variant
+    key = cpu_build.build_key(variant)
+    copy = tmp_path / "elsewhere" / "csrc"
+    shutil.copytree(cpu_build._CSRC, copy)
+    monkeypatch.setattr(cpu_build, "_CSRC", copy)
+    assert cpu_build.build_key(variant) == key
+    header = sorted(copy.glob("*.h"))[0]
+    original = header.read_bytes()
+    header.write_bytes(original + b"\n")
+    assert cpu_build.build_key(variant) != key
+    header.write_bytes(original)
+    assert cpu_build.build_key(variant) == key
+    if variant != "portable":
+        assert cpu_build.build_key("portable") != key
+    real = cpu_isa.info()
+    monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, model="other CPU"))
+    assert cpu_build.build_key(variant) != key
+
+
+def test_a_copy_of_the_package_elsewhere_loads_the_same_build(tmp_path: pathlib.Path) -> None:
+    """A clone at another path, or a wheel installed elsewhere, finds the library this
+    process built and loads it as it is: ninja builds from the build folder's own copy of
+    the sources, so nothing in its commands names where they came from."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server_utils import ROOT
+
+    variant = cpu_isa.info().variant
+    assert cpu_build.available(variant)
+    library = cpu_build.build_dir(variant) / f"ringserve_{variant}.so"
+    built = library.stat().st_mtime_ns
+    shutil.copytree(ROOT / "ringserve", tmp_path / "ringserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run(
+        [sys.executable, "-c", "from ringserve.kernels import cpu_build as b, cpu_isa as i; "
+         "v = i.info().variant; print(b.__file__); print(b.build_dir(v)); print(b.available(v))"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True, text=True, check=True, timeout=600).stdout.split()
+    assert out[0].startswith(str(tmp_path)), out
+    assert out[1:] == [str(cpu_build.build_dir(variant)), "True"]
+    assert library.stat().st_mtime_ns == built, "the copy rebuilt the library"
 
 
 # -- threads ------------------------------------------------------------------------------
