@@ -6,12 +6,12 @@ explicit target flags and its own op namespace, ``torch.ops.ringserve_<variant>`
 several variants load side by side in one process (tests compare them). The process serves
 with the variant of its CPU class; `ops()` returns that namespace.
 
-A build (about 15-60 s) lands in torch's extension cache (TORCH_EXTENSIONS_DIR) under a
-folder named by what makes the library (`build_key`: the sources, the flags, the compiler,
-torch, the CPU model) and is loaded from there afterwards by every copy of the sources: a
-clone at another path or a wheel installed elsewhere finds the same build. Where it cannot
-be built (no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is set, `available()` is False
-and every caller keeps its torch path.
+A build (15-75 s: ~70 on a 2-core AVX2 VM) lands in torch's extension cache
+(TORCH_EXTENSIONS_DIR) under a folder named by what makes the library (`build_key`: the
+sources, the flags, the compiler, torch, the CPU model) and is loaded from there afterwards by
+every copy of the sources: a clone at another path or a wheel installed elsewhere finds the
+same build. Where it cannot be built (no compiler, no ninja) or RINGSERVE_CPU_KERNELS=0 is
+set, `available()` is False and every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from ringserve.kernels import cpu_isa
 
 logger = logging.getLogger("ringserve.kernels")
 
+# NOTE: the sources include <ATen/core/Tensor.h> and the op headers they call, not
+# <ATen/ATen.h>: parsing the latter took ~9 s of each source's 8-14 (Zen 3), and a variant's
+# build went from 86 to 73 s without it (two jobs). torch/library.h, ~6 s, is the floor.
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _lock = threading.Lock()
@@ -146,7 +149,7 @@ def _build(variant: str) -> bool:
     if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (RINGSERVE_CPU_KERNELS=0): torch paths")
         return False
-    logger.info("loading the %s CPU kernels (built once per machine and source: 15-60 s)",
+    logger.info("loading the %s CPU kernels (built once per machine and source: 15-75 s)",
                 variant)  # fmt: skip
     try:
         from torch.utils.cpp_extension import load

@@ -15,7 +15,8 @@
 // `gelu_tanh_mul_f32` below: no table can cover float32, so it computes the GELU, closer
 // to the exact value than torch's formula.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 

@@ -16,7 +16,8 @@
 // blocks of weight rows are widened once into a float32 tile in cache, and every block of
 // MR x rows is dotted with every NR rows of the tile: MR * NR FMAs per MR + NR loads.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

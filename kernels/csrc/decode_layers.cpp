@@ -13,7 +13,8 @@
 // the four linears' weights, the attention's shape; `run` takes what changes per step (the
 // rows, the rotary tables, the block tables and slots of each layer group, the caches).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

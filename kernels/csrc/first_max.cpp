@@ -11,7 +11,8 @@
 // caller needs no check of its own after the call: a decode step runs its small ops with
 // caches the weights have just swept, ~50 us each (docs/cpu.md).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

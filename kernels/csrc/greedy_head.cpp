@@ -26,7 +26,8 @@
 // (|digit| <= 63), so that a pair's sum, at most 2 x 255 x 63 = 32130, cannot saturate
 // int16; the coarser rounding only widens the bound (more candidates, the same pick).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -27,7 +27,8 @@
 // Builds without AVX2 (the portable variant) compute the same sums in plain C++, slowly:
 // `int16_act_fast()` says which, and the engine uses this path only where it is fast.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -16,7 +16,9 @@
 // float32 sums of x over each group). Groups: 16 (int8) or a multiple of 32.
 // Builds without AVX-512 BW have no such path: `int8_tiles_fast()` says which.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -8,7 +8,9 @@
 // between the big multiplies: add_rms_norm (residual + norm) and qkv_rope (split, q and k
 // through norm_rope, v copied), each with the roundings of the ops it replaces.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -15,7 +15,8 @@
 // which each x row is broadcast, 16 outputs an instruction. Weight rows are split over
 // threads in both.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

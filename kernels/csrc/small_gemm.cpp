@@ -7,7 +7,9 @@
 // AVX512-BF16's dpbf16 (exact products, float32 sums), one row per iteration, rows split
 // over threads.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
