@@ -143,13 +143,12 @@ def test_a_copy_of_the_package_elsewhere_loads_the_same_build(tmp_path: pathlib.
     import subprocess
     import sys
 
-    from tests.server_utils import ROOT
-
+    root = pathlib.Path(__file__).resolve().parents[1]
     variant = cpu_isa.info().variant
     assert cpu_build.available(variant)
     library = cpu_build.build_dir(variant) / f"ringserve_{variant}.so"
     built = library.stat().st_mtime_ns
-    shutil.copytree(ROOT / "ringserve", tmp_path / "ringserve",
+    shutil.copytree(root / "ringserve", tmp_path / "ringserve",
                     ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run(
         [sys.executable, "-c", "from ringserve.kernels import cpu_build as b, cpu_isa as i; "
@@ -167,34 +166,50 @@ _NOT_RUN_HERE = [v for v in cpu_build.FLAGS
                  if v not in cpu_isa.runnable_variants() and cpu_isa.info().arch == "x86_64"]
 
 
+def _torch_flags(variant: str) -> list[str]:
+    """The flags torch's extension build gave each source of ``variant`` (its build.ninja)."""
+    import shlex
+
+    assert cpu_build.available(variant)
+    ninja = (cpu_build.build_dir(variant) / "build.ninja").read_text()
+    (line,) = [ln for ln in ninja.splitlines() if ln.startswith("cflags = ")]
+    return shlex.split(line.removeprefix("cflags = "))
+
+
+def test_the_precompiled_headers_are_built_with_torchs_flags() -> None:
+    """The torch headers are precompiled before torch's build runs, with flags of our own
+    making (`cpu_build.header_flags`); the compiler takes a precompiled header only where
+    they are the flags each source gets, and otherwise parses the header in every source
+    (a build ~20 s slower here, nothing else). So they must be torch's, with one of the
+    standards precompiled, and the -include of the header after them."""
+    variant = cpu_isa.info().variant
+    flags = _torch_flags(variant)
+    (std,) = [f.removeprefix("-std=") for f in flags if f.startswith("-std=")]
+    assert std in cpu_build._STANDARDS
+    header = cpu_build.build_dir(variant) / "src" / "torch_headers.h"
+    assert flags == [*cpu_build.header_flags(variant, std), "-include", str(header)]
+    assert "#include <torch/library.h>" in header.read_text()
+
+
 def _front_end_errors(variants: list[str], tmp_path: pathlib.Path) -> list[str]:
     """Each source of each variant through the compiler's front end (types, template
     instantiation, the intrinsics' signatures; no code generated) at the variant's flags
-    and the flags torch gave this CPU's own build; the compiler's output where it failed."""
-    import shlex
+    and the standard torch's build uses here; the compiler's output where it failed."""
     import subprocess
 
     native = cpu_isa.info().variant
-    assert cpu_build.available(native)
-    ninja = (cpu_build.build_dir(native) / "build.ninja").read_text()
-    (line,) = [ln for ln in ninja.splitlines() if ln.startswith("cflags = ")]
-    own = set(cpu_build._flags(native))
-    common = [f for f in shlex.split(line.removeprefix("cflags = "))
-              if f not in own and not f.startswith("-DTORCH_EXTENSION_NAME=")]
+    (std,) = [f.removeprefix("-std=") for f in _torch_flags(native) if f.startswith("-std=")]
     cxx = os.environ.get("CXX", "c++")
     sources = sorted(cpu_build._CSRC.glob("*.cpp"))
     assert len(sources) > 10
     jobs: list[tuple[str, list[str]]] = []
     headers = []
     for variant in variants:
-        flags = [*common, f"-DTORCH_EXTENSION_NAME=ringserve_{variant}",
-                 *cpu_build._flags(variant)]
-        # NOTE: the torch headers once a variant, precompiled: parsing them is most of a
-        # source's check.
+        flags = cpu_build.header_flags(variant, std)
+        # NOTE: the torch headers once a variant, precompiled, as in the real build.
         header = tmp_path / variant / "torch_headers.h"
         header.parent.mkdir()
-        header.write_text("#include <ATen/core/Tensor.h>\n#include <ATen/Parallel.h>\n"
-                          "#include <torch/library.h>\n")
+        header.write_text(cpu_build._TORCH_HEADERS)
         headers.append((f"{variant} headers",
                         [cxx, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]))
         jobs += [(f"{variant} {src.name}", [cxx, *flags, "-include", str(header),
