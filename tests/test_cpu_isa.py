@@ -203,31 +203,24 @@ def _front_end_errors(variants: list[str], tmp_path: pathlib.Path) -> list[str]:
     sources = sorted(cpu_build._CSRC.glob("*.cpp"))
     assert len(sources) > 10
     jobs: list[tuple[str, list[str]]] = []
-    headers = []
     for variant in variants:
-        flags = cpu_build.header_flags(variant, std)
         # NOTE: the torch headers once a variant, precompiled, as in the real build.
         header = tmp_path / variant / "torch_headers.h"
         header.parent.mkdir()
         header.write_text(cpu_build._TORCH_HEADERS)
-        headers.append((f"{variant} headers",
-                        [cxx, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]))
-        jobs += [(f"{variant} {src.name}", [cxx, *flags, "-include", str(header),
-                                           "-Winvalid-pch", "-fsyntax-only", str(src)])
-                 for src in sources]
+        cpu_build._precompile(variant, header, header.with_name(header.name + ".gch"), (std,))
+        jobs += [(f"{variant} {src.name}",
+                  [cxx, *cpu_build.header_flags(variant, std), "-include", str(header),
+                   "-Winvalid-pch", "-fsyntax-only", str(src)]) for src in sources]
     width = max(1, len(os.sched_getaffinity(0)))
     failed = []
-    for batch in (headers, jobs):
-        for start in range(0, len(batch), width):
-            procs = [(name, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                             stderr=subprocess.STDOUT, text=True))
-                     for name, cmd in batch[start:start + width]]
-            for name, proc in procs:
-                out, _ = proc.communicate(timeout=600)
-                if proc.returncode != 0:
-                    failed.append(f"{name}:\n{out[-3000:]}")
-        if failed:
-            break
+    for start in range(0, len(jobs), width):
+        procs = [(name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True)) for name, cmd in jobs[start:start + width]]
+        for name, proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                failed.append(f"{name}:\n{out[-3000:]}")
     return failed
 
 
