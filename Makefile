@@ -32,14 +32,18 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 # test_nginx_replicas.py, test_gpu_check.py) come from Debian: prometheus (+ promtool), nginx,
 # docker-compose (v1: validates compose files offline), shellcheck, curl (the README's
 # example, tests/test_docs.py). Installed only when a
-# binary is missing; needs root (CI runs as root) or sudo.
-DEB_PACKAGES := prometheus nginx docker-compose shellcheck curl
+# binary (or file) is missing; needs root (CI runs as root) or sudo.
+DEB_PACKAGES := prometheus nginx docker-compose shellcheck curl libsimde-dev
 DEB_BINARIES := prometheus promtool nginx docker-compose shellcheck curl
+# SIMDe's headers: the tests run the AVX-512 kernels in software on CPUs without AVX-512
+# (kernels/cpu_build.py's emulated builds)
+DEB_FILES := /usr/include/simde/x86/avx512.h
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(VENV)/.stamp-debian: $(VENV)/.stamp-base
 	@missing=; for b in $(DEB_BINARIES); do \
 	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; \
 	done; \
+	for f in $(DEB_FILES); do [ -e $$f ] || missing="$$missing $$f"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $(DEB_PACKAGES) (missing:$$missing)"; \
 	  $(SUDO) apt-get update -q \

@@ -65,13 +65,56 @@ FLAGS: dict[str, list[str]] = {
 _TUNE = ["-mtune=native"]
 
 
-def _flags(variant: str) -> list[str]:
+# The AVX-512 variants in software, for a CPU below them (x86-64-v3 code that reads csrc's
+# emulate_avx512.h after the torch headers): what the tests run on an AVX2 machine so that
+# the AVX-512 branches execute on every CI run, not only on AVX-512 machines. SIMDe
+# (Debian's libsimde-dev, which the Makefile installs) gives most intrinsics.
+_EMULATED = {"avx512": ["-DRINGSERVE_EMULATE_AVX512"],
+             "avx512_bf16": ["-DRINGSERVE_EMULATE_AVX512", "-DRINGSERVE_EMULATE_BF16"]}
+_EMULATION_HEADER = "emulate_avx512.h"
+_EMULATION_MACROS = "emulate_avx512_macros.h"
+_SIMDE = "simde/x86/avx512.h"
+
+
+def emulated(variant: str) -> bool:
+    """Whether ``variant``'s library is the software AVX-512 build: an AVX-512 variant above
+    this x86-64 CPU's own class. Only tests ask for one; a server runs its class's variant."""
+    cpu = cpu_isa.info()
+    if variant not in _EMULATED or cpu.arch not in ("x86_64", "AMD64"):
+        return False
+    own = cpu_isa.variant_of(cpu.detected)
+    return cpu_isa.VARIANTS.index(variant) > cpu_isa.VARIANTS.index(own)
+
+
+def emulated_variants() -> list[str]:
+    """The AVX-512 variants the tests run emulated here: those above this x86-64 CPU's
+    class, where SIMDe's headers are installed and no RINGSERVE_CPU_ISA cap is set (a cap
+    asks for the capped class's variants only)."""
+    if cpu_isa.info().cap is not None:
+        return []
+    include = [Path(p) for p in os.environ.get("CPATH", "").split(":") if p]
+    found = any((d / _SIMDE).exists() for d in [*include, Path("/usr/local/include"),
+                                                Path("/usr/include")])
+    return [v for v in _EMULATED if emulated(v)] if found else []
+
+
+def tested_variants() -> list[str]:
+    """The variants the tests run here: those this CPU executes, then the emulated ones."""
+    return [*cpu_isa.runnable_variants(), *emulated_variants()]
+
+
+def _flags(variant: str, native: bool = False) -> list[str]:
+    """``variant``'s compiler flags: its emulated build's where `emulated`, unless
+    ``native`` (the real targets, for a compile that is never run)."""
     if variant != "portable" and platform.machine() not in ("x86_64", "AMD64"):
         raise ValueError(f"kernel variant {variant} is x86-64 only")
     # NOTE: -fopenmp so ATen's inline parallel_for really runs in parallel; the OpenMP
     # calls resolve to torch's own runtime when the library loads.
     tune = _TUNE if platform.machine() in ("x86_64", "AMD64") else []
-    return ["-O3", "-fopenmp", *FLAGS[variant], *tune, f"-DRINGSERVE_NS=ringserve_{variant}"]
+    isa = [*_X86_V3, *_EMULATED[variant]] if emulated(variant) and not native else FLAGS[variant]
+    # NOTE: -O3 for the emulated builds too: -O1 built in 50 s instead of 66, but their
+    # tests ran 3.5x longer (SIMDe's 512-bit operations left as loops of lanes).
+    return ["-O3", "-fopenmp", *isa, *tune, f"-DRINGSERVE_NS=ringserve_{variant}"]
 
 
 def build_key(variant: str) -> str:
@@ -83,8 +126,8 @@ def build_key(variant: str) -> str:
     for path in sorted(_CSRC.iterdir()):
         h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         h.update(path.read_bytes())
-    for part in (*_flags(variant), os.environ.get("CXX", "c++"), platform.machine(),
-                 sysconfig.get_paths()["include"], torch.__version__,
+    for part in (*_flags(variant), _TORCH_HEADERS, os.environ.get("CXX", "c++"),
+                 platform.machine(), sysconfig.get_paths()["include"], torch.__version__,
                  str(Path(torch.__file__).parent), cpu_isa.info().model):
         h.update(f"{part}\0".encode())
     return h.hexdigest()[:16]
@@ -154,8 +197,8 @@ def _build(variant: str) -> bool:
     if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
         logger.info("CPU kernels off (RINGSERVE_CPU_KERNELS=0): torch paths")
         return False
-    logger.info("loading the %s CPU kernels (built once per machine and source: 10-60 s)",
-                variant)  # fmt: skip
+    logger.info("loading the %s CPU kernels%s (built once per machine and source: 10-60 s)",
+                variant, " (AVX-512 in software: tests only)" if emulated(variant) else "")
     try:
         where = _prepare(variant)
         library = where / f"ringserve_{variant}.so"
@@ -203,20 +246,20 @@ _TORCH_HEADERS = "#pragma once\n" + "".join(
 _STANDARDS = ("c++20", "c++17")
 
 
-def header_flags(variant: str, std: str) -> list[str]:
+def header_flags(variant: str, std: str, native: bool = False) -> list[str]:
     """The flags torch's extension build gives each source of ``variant`` (its build.ninja:
     the name, the API define, its include folders, -fPIC, the standard, ours), but for
-    the -include of the precompiled headers."""
+    the -include of the precompiled headers; ``native``: as `_flags`."""
     from torch.utils.cpp_extension import include_paths
 
     flags = [f"-DTORCH_EXTENSION_NAME=ringserve_{variant}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     for folder in [*include_paths(), sysconfig.get_paths()["include"]]:
         flags += ["-isystem", folder]
-    return [*flags, "-fPIC", f"-std={std}", *_flags(variant)]
+    return [*flags, "-fPIC", f"-std={std}", *_flags(variant, native)]
 
 
 def _precompile(variant: str, header: Path, gch: Path,
-                standards: tuple[str, ...] = _STANDARDS) -> None:
+                standards: tuple[str, ...] = _STANDARDS, native: bool = False) -> None:
     """``header`` precompiled for each of ``standards``, side by side in the folder
     ``gch``: the compiler takes the one valid for a source's flags. Where none is (flags
     this function does not know), each source parses the header itself: slower, the same
@@ -227,7 +270,7 @@ def _precompile(variant: str, header: Path, gch: Path,
     try:
         for std in standards:
             procs.append(subprocess.Popen(
-                [cxx, *header_flags(variant, std), "-x", "c++-header", str(header),
+                [cxx, *header_flags(variant, std, native), "-x", "c++-header", str(header),
                  "-o", str(gch / f"{std}.gch")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for proc in procs:
@@ -250,14 +293,21 @@ def _compile(variant: str, where: Path) -> None:
         return
     name = f"ringserve_{variant}"
     header = where / "src" / "torch_headers.h"
-    header.write_text(_TORCH_HEADERS)
+    # NOTE: an emulated build's sources read the emulation after the torch headers (it
+    # must not change them), precompiled with them (SIMDe is ~1 s of parsing a source),
+    # and then its AVX-512 macros, which a precompiled header does not keep.
+    emulation = f'#include "{_EMULATION_HEADER}"\n' if emulated(variant) else ""
+    header.write_text(_TORCH_HEADERS + emulation)
     gch = header.with_name(header.name + ".gch")
     _precompile(variant, header, gch)
+    macros = header.with_name(_EMULATION_MACROS)
+    after = ["-include", str(macros)] if emulated(variant) else []
     try:
         # NOTE: built from the copy in the build folder, so that ninja's commands are the
         # same whichever copy of the sources asked (a path in them would rebuild the lot).
         load(name=name, sources=[str(where / "src" / p.name) for p in _SOURCES],
-             extra_cflags=[*_flags(variant), "-include", str(header)], build_directory=str(where),
+             extra_cflags=[*_flags(variant), "-include", str(header), *after],
+             build_directory=str(where),
              is_python_module=False, verbose=False)  # fmt: skip
     finally:
         shutil.rmtree(gch, ignore_errors=True)  # 100s of MiB, needed only while compiling

@@ -64,7 +64,7 @@ class CpuInfo:
     @property
     def variant(self) -> str:
         """The compiled kernel variant this class runs."""
-        return "avx512_bf16" if self.cls == "amx" else self.cls
+        return variant_of(self.cls)
 
     def at_least(self, cls: str) -> bool:
         """Whether the class in use includes ``cls``'s instructions."""
@@ -75,6 +75,11 @@ class CpuInfo:
         cap = f", capped by {ENV}={self.cap}" if self.cap else ""
         model = f" ({self.model})" if self.model else ""
         return f"CPU class {self.cls}{cap}; detected {self.detected} on {self.arch}{model}"
+
+
+def variant_of(cls: str) -> str:
+    """The compiled kernel variant a CPU class runs."""
+    return "avx512_bf16" if cls == "amx" else cls
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:
@@ -148,8 +153,11 @@ def runnable_variants() -> list[str]:
 def onednn_bf16_linear() -> bool:
     """Whether torch's oneDNN-packed bf16 linear may be used: it needs AVX-512 BW/VL/DQ (or
     AVX-NE-CONVERT, which no class here relies on); torch raises a RuntimeError on an
-    AVX2-only CPU, and the cap keeps it off below avx512 so that the cap tests that path."""
-    return info().at_least("avx512")
+    AVX2-only CPU, and the cap keeps it off below avx512 so that the cap tests that path.
+    The CPU itself must have them too: a test runs the AVX-512 kernels emulated on an AVX2
+    CPU as if its class were avx512 (`kernels.cpu_build.emulated`)."""
+    cpu = info()
+    return cpu.at_least("avx512") and CLASSES.index(cpu.detected) >= CLASSES.index("avx512")
 
 
 def bf16_arithmetic() -> bool:

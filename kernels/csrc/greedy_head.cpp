@@ -195,8 +195,12 @@ inline float lane_max(const Lane& l) { return _mm512_reduce_max_ps(l); }
 // vpbroadcastd of its own; measured no faster on Zen 4 (docs/cpu.md), kept as the one
 // instruction the loop needs.
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* x) {
+#if defined(RINGSERVE_EMULATE_AVX512)  // emulate_avx512.h: no assembly, the same sums
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x));
+#else
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
   return acc;
+#endif
 }
 
 // Rows [16 t, 16 t + 16) against x rows [m0, m0 + MB); lanes: those rows' largest lower
