@@ -57,17 +57,19 @@ def engines() -> Iterator[list[Any]]:
 
 def _variants() -> list[str]:
     try:
-        from ringserve.kernels import cpu_isa
+        from ringserve.kernels import cpu_build
     except ImportError:  # block_manager tests need no torch
         return []
-    return cpu_isa.runnable_variants()
+    return cpu_build.tested_variants()
 
 
 @pytest.fixture(params=_variants())
 def cpu_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each kernel variant this CPU can execute (`kernels.cpu_isa`), as if the process ran
     on a CPU of that class: every op, the oneDNN packing choice and the auto dtype follow.
-    On an AMX machine this tests the AVX2 and portable paths an AVX2-only machine serves."""
+    On an AMX machine this tests the AVX2 and portable paths an AVX2-only machine serves;
+    on an AVX2 machine, the AVX-512 variants too, in software (`cpu_build.emulated`), with
+    oneDNN's choices those of the real CPU."""
     from ringserve.kernels import cpu_build, cpu_isa
 
     variant: str = request.param

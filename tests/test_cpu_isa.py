@@ -17,7 +17,7 @@ import torch
 from ringserve.engine import LLM
 from ringserve.engine.cpu_threads import cgroup_quota, choose_threads, kernel_spin_mode
 from ringserve.engine.errors import InvalidRequestError
-from ringserve.kernels import cpu_build, cpu_isa
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from tests.tiny_models import make_checkpoint
 
 BASE = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
@@ -176,19 +176,23 @@ def _torch_flags(variant: str) -> list[str]:
     return shlex.split(line.removeprefix("cflags = "))
 
 
-def test_the_precompiled_headers_are_built_with_torchs_flags() -> None:
+@pytest.mark.parametrize("variant", [cpu_isa.info().variant, *cpu_build.emulated_variants()])
+def test_the_precompiled_headers_are_built_with_torchs_flags(variant: str) -> None:
     """The torch headers are precompiled before torch's build runs, with flags of our own
     making (`cpu_build.header_flags`); the compiler takes a precompiled header only where
     they are the flags each source gets, and otherwise parses the header in every source
     (a build ~20 s slower here, nothing else). So they must be torch's, with one of the
-    standards precompiled, and the -include of the header after them."""
-    variant = cpu_isa.info().variant
+    standards precompiled, and the -include of the header after them. (An emulated build's
+    header reads the emulation too.)"""
     flags = _torch_flags(variant)
     (std,) = [f.removeprefix("-std=") for f in flags if f.startswith("-std=")]
     assert std in cpu_build._STANDARDS
     header = cpu_build.build_dir(variant) / "src" / "torch_headers.h"
-    assert flags == [*cpu_build.header_flags(variant, std), "-include", str(header)]
+    after = (["-include", str(header.with_name("emulate_avx512_macros.h"))]
+             if cpu_build.emulated(variant) else [])
+    assert flags == [*cpu_build.header_flags(variant, std), "-include", str(header), *after]
     assert "#include <torch/library.h>" in header.read_text()
+    assert ('#include "emulate_avx512.h"' in header.read_text()) == cpu_build.emulated(variant)
 
 
 def _front_end_errors(variants: list[str], tmp_path: pathlib.Path) -> list[str]:
@@ -208,9 +212,10 @@ def _front_end_errors(variants: list[str], tmp_path: pathlib.Path) -> list[str]:
         header = tmp_path / variant / "torch_headers.h"
         header.parent.mkdir()
         header.write_text(cpu_build._TORCH_HEADERS)
-        cpu_build._precompile(variant, header, header.with_name(header.name + ".gch"), (std,))
+        cpu_build._precompile(variant, header, header.with_name(header.name + ".gch"), (std,),
+                              native=True)
         jobs += [(f"{variant} {src.name}",
-                  [cxx, *cpu_build.header_flags(variant, std), "-include", str(header),
+                  [cxx, *cpu_build.header_flags(variant, std, native=True), "-include", str(header),
                    "-Winvalid-pch", "-fsyntax-only", str(src)]) for src in sources]
     width = max(1, len(os.sched_getaffinity(0)))
     failed = []
@@ -229,12 +234,30 @@ def _front_end_errors(variants: list[str], tmp_path: pathlib.Path) -> list[str]:
 # feature.
 if _NOT_RUN_HERE:
     def test_the_variants_this_cpu_cannot_run_still_compile(tmp_path: pathlib.Path) -> None:
-        """On an AVX2 machine no other test compiles the AVX-512 code (``#if __AVX512F__``
-        branches in most sources), so an edit there would pass CI here and break every
-        AVX-512 and AMX machine: each source of those variants goes through the compiler's
-        front end here. What such a branch computes is tested only on such a machine."""
+        """On an AVX2 machine the AVX-512 code (``#if __AVX512F__`` branches in most
+        sources) runs only emulated (`cpu_build.emulated`: SIMDe's types and functions
+        for the intrinsics, no inline assembly), so an edit there that GCC's own AVX-512
+        headers refuse would pass CI here and break every AVX-512 and AMX machine: each
+        source of those variants goes through the compiler's front end at their real
+        flags here."""
         failed = _front_end_errors(_NOT_RUN_HERE, tmp_path)
         assert not failed, "\n".join(failed)
+
+
+def test_the_avx512_variants_this_cpu_lacks_run_emulated() -> None:
+    """Below AVX-512 (x86-64, no cap) the tests run the AVX-512 variants in software
+    (conftest's `cpu_variant` over `cpu_build.tested_variants`): SIMDe's headers must be
+    there (the Makefile installs libsimde-dev), or those branches would only be compiled;
+    and the library built is the AVX-512 code: its one-byte tiles exist only there."""
+    cpu = cpu_isa.info()
+    lacking = [v for v in ("avx512", "avx512_bf16")
+               if cpu.arch == "x86_64" and v not in cpu_isa.runnable_variants()
+               and cpu_isa.CLASSES.index(v) > cpu_isa.CLASSES.index(cpu.detected)]
+    assert cpu_build.emulated_variants() == (lacking if cpu.cap is None else [])
+    for variant in cpu_build.emulated_variants():
+        assert cpu_build.emulated(variant) and cpu_build.available(variant)
+        assert cpu_quant.has_int8_tiles(variant)
+        assert not cpu_isa.onednn_bf16_linear()  # oneDNN follows the real CPU
 
 
 # -- threads ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from ringserve.engine import LLM, SamplingParams
 from ringserve.engine.models import fast_decode
-from ringserve.kernels import cpu_act, cpu_build, cpu_quant
+from ringserve.kernels import cpu_act, cpu_build, cpu_isa, cpu_quant
 from tests.tiny_models import make_checkpoint, random_tokens
 
 PROMPTS = [random_tokens(n, seed=n) for n in (3, 11, 30, 17, 5)]
@@ -82,6 +82,10 @@ def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathl
                                                loop: bool) -> None:
     if packed_rows is not None and not cpu_quant.has_tiles():
         pytest.skip(f"the {cpu_variant} build keeps no bf16 tiles (they need AVX512-BF16)")
+    if packed_rows is not None and not cpu_isa.onednn_bf16_linear():
+        pytest.skip(f"the packed rows' copies need oneDNN's bf16 packing (AVX-512 BW/VL/DQ), "
+                    f"which this {cpu_isa.info().detected} CPU lacks (its {cpu_variant} "
+                    "kernels run emulated)")
     path = make_checkpoint(family, tmp_path,
                            overrides=None if mlp is None else {"intermediate_size": mlp})
     kwargs: dict[str, object] = {"quantization": quantization, "packed_rows": packed_rows,

@@ -23,14 +23,14 @@ from ringserve.engine import LLM, InvalidRequestError, SamplingParams
 from ringserve.engine.models import greedy_head
 from ringserve.engine.models.greedy_head import GreedyHead
 from ringserve.engine.models.quant_linear import QuantLinear
-from ringserve.kernels import cpu_isa, cpu_quant
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import dequantize, quantize_int8
 from tests.tiny_models import make_checkpoint, random_tokens
 
 # The variants whose build has the pass: every x86 one but the portable (conftest's
 # `cpu_variant`, restricted; on a CPU without AVX2 the list is empty).
-PASS_VARIANTS = [v for v in cpu_isa.runnable_variants() if v != "portable"]
+PASS_VARIANTS = [v for v in cpu_build.tested_variants() if v != "portable"]
 each_pass = pytest.mark.parametrize("cpu_variant", PASS_VARIANTS, indirect=True)
 
 # How the rows reach the head: bf16 activations, or float32 ones through the int16 blocks

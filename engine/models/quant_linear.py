@@ -365,6 +365,8 @@ def auto_packed_rows(model: nn.Module, dtype: torch.dtype) -> tuple[int | None, 
         return None, "needs bf16 activations on the CPU"
     if not (layers[0].kernel and cpu_quant.has_tiles()):
         return None, "this CPU class has no bf16 tiles (AVX512-BF16 or AMX)"
+    if not can_pack(dtype, layers[0].qweight.device):  # the copies past the tiles' rows
+        return None, "this CPU's oneDNN does not pack bf16"
     # bf16 tiles (2 bytes a value) and, for steps up to INT8_TILE_ROWS, one-byte tiles
     need = sum((3 if cpu_quant.has_int8_tiles() else 2) * m.in_features * m.out_features
                for m in layers)
