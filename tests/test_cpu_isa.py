@@ -164,6 +164,11 @@ def test_a_copy_of_the_package_elsewhere_loads_the_same_build(tmp_path: pathlib.
 # machine without a cap, where every variant is built and tested for real; x86-64 only).
 _NOT_RUN_HERE = [v for v in cpu_build.FLAGS
                  if v not in cpu_isa.runnable_variants() and cpu_isa.info().arch == "x86_64"]
+# NOTE: where both AVX-512 variants also run emulated, the largest alone goes through the
+# front end (~30 s): its flags hold the other's, and the emulated avx512 build compiles the
+# few branches only it takes (no VNNI, no BF16).
+_FRONT_END = (_NOT_RUN_HERE[-1:] if set(_NOT_RUN_HERE) <= set(cpu_build.emulated_variants())
+              else _NOT_RUN_HERE)
 
 
 def _torch_flags(variant: str) -> list[str]:
@@ -240,7 +245,7 @@ if _NOT_RUN_HERE:
         headers refuse would pass CI here and break every AVX-512 and AMX machine: each
         source of those variants goes through the compiler's front end at their real
         flags here."""
-        failed = _front_end_errors(_NOT_RUN_HERE, tmp_path)
+        failed = _front_end_errors(_FRONT_END, tmp_path)
         assert not failed, "\n".join(failed)
 
 
