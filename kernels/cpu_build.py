@@ -90,12 +90,16 @@ def emulated_variants() -> list[str]:
     """The AVX-512 variants the tests run emulated here: those above this x86-64 CPU's
     class, where SIMDe's headers are installed and no RINGSERVE_CPU_ISA cap is set (a cap
     asks for the capped class's variants only)."""
-    if cpu_isa.info().cap is not None:
+    if cpu_isa.info().cap is not None or not simde_found():
         return []
+    return [v for v in _EMULATED if emulated(v)]
+
+
+def simde_found() -> bool:
+    """Whether SIMDe's AVX-512 header is where the compiler looks (CPATH, the system's)."""
     include = [Path(p) for p in os.environ.get("CPATH", "").split(":") if p]
-    found = any((d / _SIMDE).exists() for d in [*include, Path("/usr/local/include"),
-                                                Path("/usr/include")])
-    return [v for v in _EMULATED if emulated(v)] if found else []
+    return any((d / _SIMDE).exists() for d in [*include, Path("/usr/local/include"),
+                                               Path("/usr/include")])
 
 
 def tested_variants() -> list[str]:
