@@ -74,13 +74,11 @@ inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) 
   to_lanes(x, a);
   to_lanes(y, b);
   for (int i = 0; i < 16; ++i) {
-    // The odd pair first, then the even one, each a rounded float32 add (a product of two
-    // bf16 values is exact in float32).
+    // The odd pair first, then the even one, each a float32 FMA (one rounding).
     float d = daz(acc[i]);
-    d = daz(d + daz(bits_to_f(uint32_t{x[2 * i + 1]} << 16)) *
-                    daz(bits_to_f(uint32_t{y[2 * i + 1]} << 16)));
-    d = daz(d + daz(bits_to_f(uint32_t{x[2 * i]} << 16)) *
-                    daz(bits_to_f(uint32_t{y[2 * i]} << 16)));
+    for (const int j : {2 * i + 1, 2 * i})
+      d = daz(std::fma(daz(bits_to_f(uint32_t{x[j]} << 16)), daz(bits_to_f(uint32_t{y[j]} << 16)),
+                       d));
     acc[i] = d;
   }
   return from_lanes<simde__m512>(acc);
