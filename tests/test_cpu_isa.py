@@ -249,12 +249,14 @@ if _NOT_RUN_HERE:
         assert not failed, "\n".join(failed)
 
 
-def test_the_avx512_variants_this_cpu_lacks_run_emulated() -> None:
+def test_the_avx512_variants_this_cpu_lacks_run_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below AVX-512 (x86-64, no cap) the tests run the AVX-512 variants in software
     (conftest's `cpu_variant` over `cpu_build.tested_variants`): SIMDe's headers must be
     there (the Makefile installs libsimde-dev), or those branches would only be compiled;
-    and the library built is the AVX-512 code: its one-byte tiles exist only there."""
+    the library built is the AVX-512 code (its one-byte tiles exist only there); and as
+    that class, oneDNN's packing still follows the real CPU."""
     cpu = cpu_isa.info()
+    real_avx512 = cpu_isa.CLASSES.index(cpu.detected) >= cpu_isa.CLASSES.index("avx512")
     lacking = [v for v in ("avx512", "avx512_bf16")
                if cpu.arch == "x86_64" and v not in cpu_isa.runnable_variants()
                and cpu_isa.CLASSES.index(v) > cpu_isa.CLASSES.index(cpu.detected)]
@@ -262,7 +264,8 @@ def test_the_avx512_variants_this_cpu_lacks_run_emulated() -> None:
     for variant in cpu_build.emulated_variants():
         assert cpu_build.emulated(variant) and cpu_build.available(variant)
         assert cpu_quant.has_int8_tiles(variant)
-        assert not cpu_isa.onednn_bf16_linear()  # oneDNN follows the real CPU
+        monkeypatch.setattr(cpu_isa, "info", lambda v=variant: dataclasses.replace(cpu, cls=v))
+        assert cpu_isa.onednn_bf16_linear() == real_avx512
 
 
 # -- threads ------------------------------------------------------------------------------
