@@ -80,10 +80,7 @@ def emulated(variant: str) -> bool:
     """Whether ``variant``'s library is the software AVX-512 build: an AVX-512 variant above
     this x86-64 CPU's own class. Only tests ask for one; a server runs its class's variant."""
     cpu = cpu_isa.info()
-    if variant not in _EMULATED or cpu.arch not in ("x86_64", "AMD64"):
-        return False
-    own = cpu_isa.variant_of(cpu.detected)
-    return cpu_isa.VARIANTS.index(variant) > cpu_isa.VARIANTS.index(own)
+    return variant in _EMULATED and cpu.arch in ("x86_64", "AMD64") and not cpu.has(variant)
 
 
 def emulated_variants() -> list[str]:
@@ -304,8 +301,7 @@ def _compile(variant: str, where: Path) -> None:
     header.write_text(_TORCH_HEADERS + emulation)
     gch = header.with_name(header.name + ".gch")
     _precompile(variant, header, gch)
-    macros = header.with_name(_EMULATION_MACROS)
-    after = ["-include", str(macros)] if emulated(variant) else []
+    after = ["-include", str(header.with_name(_EMULATION_MACROS))] if emulation else []
     try:
         # NOTE: built from the copy in the build folder, so that ninja's commands are the
         # same whichever copy of the sources asked (a path in them would rebuild the lot).

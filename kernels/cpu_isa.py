@@ -64,7 +64,12 @@ class CpuInfo:
     @property
     def variant(self) -> str:
         """The compiled kernel variant this class runs."""
-        return variant_of(self.cls)
+        return "avx512_bf16" if self.cls == "amx" else self.cls
+
+    def has(self, cls: str) -> bool:
+        """Whether the CPU itself has ``cls``'s instructions (its detected class, whatever
+        the cap or a test's class in use)."""
+        return CLASSES.index(self.detected) >= CLASSES.index(cls)
 
     def at_least(self, cls: str) -> bool:
         """Whether the class in use includes ``cls``'s instructions."""
@@ -75,11 +80,6 @@ class CpuInfo:
         cap = f", capped by {ENV}={self.cap}" if self.cap else ""
         model = f" ({self.model})" if self.model else ""
         return f"CPU class {self.cls}{cap}; detected {self.detected} on {self.arch}{model}"
-
-
-def variant_of(cls: str) -> str:
-    """The compiled kernel variant a CPU class runs."""
-    return "avx512_bf16" if cls == "amx" else cls
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:
@@ -156,8 +156,7 @@ def onednn_bf16_linear() -> bool:
     AVX2-only CPU, and the cap keeps it off below avx512 so that the cap tests that path.
     The CPU itself must have them too: a test runs the AVX-512 kernels emulated on an AVX2
     CPU as if its class were avx512 (`kernels.cpu_build.emulated`)."""
-    cpu = info()
-    return cpu.at_least("avx512") and CLASSES.index(cpu.detected) >= CLASSES.index("avx512")
+    return info().at_least("avx512") and info().has("avx512")
 
 
 def bf16_arithmetic() -> bool:

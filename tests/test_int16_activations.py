@@ -231,8 +231,8 @@ def test_kv_cache_dtype_follows_int16_activations() -> None:
 int8_tiles_only = pytest.mark.skipif(
     not {"avx512", "avx512_bf16"} & set(cpu_build.tested_variants()),
     reason="the one-byte tiles need AVX-512 BW (the avx512 and avx512_bf16 variants), which "
-    "this CPU (or its RINGSERVE_CPU_ISA cap) lacks, and SIMDe's headers to emulate it are "
-    "not installed")
+    "this CPU lacks or its RINGSERVE_CPU_ISA cap rules out, with no emulated build in its "
+    "place (none under a cap; it needs SIMDe's headers, libsimde-dev)")
 
 
 @int8_tiles_only
