@@ -169,7 +169,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
             elif module.int16_acts:
                 name = f"int{module.bits} int16-activation dot"
             elif dtype == torch.bfloat16 and info.variant == "avx512_bf16":
-                name = f"int{module.bits} dpbf16"
+                name = f"int{module.bits} dpbf16" + (", AMX tiles for many rows"
+                                                     if cpu_build.amx() else "")
             else:
                 name = f"int{module.bits} float32 FMA"
             if module.packed_rows is not None and module.tiles8 is not None:

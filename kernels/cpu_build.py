@@ -214,7 +214,33 @@ def _build(variant: str) -> bool:
                        lines[-1] if lines else repr(err))  # fmt: skip
         return False
     ops(variant).use_kernel_pool(libgomp_sleeps())
+    _amx[variant] = bool(ops(variant).use_amx(amx_wanted(variant)))
     return True
+
+
+_amx: dict[str, bool] = {}
+
+
+def amx_wanted(variant: str) -> bool:
+    """Whether ``variant``'s many-row bf16 multiplies should take AMX tiles: the variant this
+    CPU runs, a class (capped or not) of `amx`, and RINGSERVE_AMX not 0."""
+    info = cpu_isa.info()
+    return (variant == info.variant and info.cls == "amx" and not emulated(variant)
+            and os.environ.get("RINGSERVE_AMX", "1") != "0")
+
+
+def amx(variant: str | None = None) -> bool:
+    """Whether ``variant``'s build (default this CPU's) multiplies many rows by AMX tiles."""
+    variant = variant or cpu_isa.info().variant
+    return available(variant) and _amx.get(variant, False)
+
+
+def set_amx(on: bool, variant: str | None = None) -> bool:
+    """Turn ``variant``'s AMX path on or off (tests compare the two); on only where the CPU
+    and the kernel give the tile state. Returns whether it is on."""
+    variant = variant or cpu_isa.info().variant
+    _amx[variant] = available(variant) and bool(ops(variant).use_amx(on))
+    return _amx[variant]
 
 
 def _built(where: Path, library: Path) -> bool:

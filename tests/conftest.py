@@ -77,4 +77,7 @@ def cpu_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls=variant))
     if not cpu_build.available(variant):
         pytest.fail(f"the {variant} CPU kernels did not build")
+    if cpu_build.amx(variant):  # the avx512_bf16 class has no AMX: its dpbf16 tiles
+        cpu_build.set_amx(False, variant)
+        request.addfinalizer(lambda: cpu_build.set_amx(True, variant))
     return variant

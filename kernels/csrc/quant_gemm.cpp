@@ -38,6 +38,15 @@
 #include <immintrin.h>
 #endif
 
+// AMX tiles for the many-row path, where the CPU has them: x86-64 builds with AVX512-BF16
+// (the amx class runs that variant), not the software AVX-512 of the tests.
+#if defined(__AVX512BF16__) && defined(__x86_64__) && !defined(RINGSERVE_EMULATE_AVX512)
+#define RINGSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <atomic>
+#endif
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // x rows a pass; more rows run in passes of 8
@@ -413,12 +422,155 @@ void tile_passes(const uint16_t* x, int64_t rows, const float* xsum, const c10::
   }
 }
 
+#if defined(RINGSERVE_AMX)
+// AMX (Sapphire Rapids on): the tile's multiply by TDPBF16PS, 16 x rows by 16 outputs by up
+// to 32 values an instruction, where dpbf16 takes 16 outputs by 2 values. The tile is read
+// as it is: its [pairs][32] layout is AMX's B operand (pairs of k across the columns), two
+// B tiles of 16 columns at a 128-byte stride. Each group's sums leave the tile unit
+// (TILESTORED) and are scaled and added up as in tile_rows, so only the summation inside a
+// group differs: AMX adds a group's products in an order and at a precision of its own, not
+// dpbf16's (measured on this project's AMX machine, neither product order of the
+// instructions' description matched its bits), so these sums agree with tile_rows' to
+// float32 rounding, not bit for bit; both paths of one linear (run_tiles and
+// quant_linear_tiles) take it, and agree with each other bit for bit.
+std::atomic<bool> g_amx{false};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two sets, so that one group's multiply runs while the last one's sums are scaled: tmm0 /
+// tmm3 a group's sums, 16 x rows by 16 outputs (float32); tmm1 / tmm4 16 x rows by `pairs`
+// pairs of k; tmm2 / tmm5 `pairs` pairs by 16 outputs of the tile.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_begin(int64_t pairs) {
+  TileConfig c;
+  for (int i : {0, 3}) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+    c.rows[i + 1] = 16;
+    c.colsb[i + 1] = static_cast<uint16_t>(pairs * 4);
+    c.rows[i + 2] = static_cast<uint8_t>(pairs);
+    c.colsb[i + 2] = 64;
+  }
+  // NOTE: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so
+  // without this barrier the other 56 were never written (ldtilecfg then faulted).
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
+
+// Pairs of k a TDPBF16PS takes for this group size (a tile holds 16 rows of 64 bytes).
+inline int64_t amx_pairs(int64_t group) { return std::min<int64_t>(group / 2, 16); }
+
+// Group g's sums into tile C (0 or 3), through A (1 or 4) and B (2 or 5).
+#define RINGSERVE_AMX_GROUP(C, A, B, g)                                          \
+  do {                                                                       \
+    _tile_zero(C);                                                           \
+    for (int64_t p = (g) * gp; p < ((g) + 1) * gp; p += step) {              \
+      _tile_loadd(A, x + 2 * p, k * 2);                                      \
+      _tile_loadd(B, tile + p * kTile + h * 16, kTile * 4);                  \
+      _tile_dpbf16ps(C, A, B);                                               \
+    }                                                                        \
+  } while (0)
+
+// x rows [m0, m0 + 16) of `x` (16 rows readable) by the tile's half `h`, for MR valid rows:
+// acc[m] (16 outputs) = sum over groups of scale * the group's sums (+ 4-bit mins * x sums).
+template <int MR, int BITS>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_half(
+    const uint16_t* x, int64_t k, int64_t group, const uint32_t* tile, const float* sct,
+    const float* mnt, const float* xsum, int64_t groups, int h, __m512* acc) {
+  alignas(64) float part[2][16 * 16];
+  const int64_t gp = group / 2, step = amx_pairs(group);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  auto add = [&](const float* pt, int64_t g) {
+    const __m512 s = _mm512_loadu_ps(sct + g * kTile + h * 16);
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(pt + m * 16), s, acc[m]);
+    if constexpr (BITS == 4) {
+      const __m512 mn = _mm512_loadu_ps(mnt + g * kTile + h * 16);
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), mn, acc[m]);
+    }
+  };
+  RINGSERVE_AMX_GROUP(0, 1, 2, 0);
+  for (int64_t g = 0; g < groups; g += 2) {
+    if (g + 1 < groups) RINGSERVE_AMX_GROUP(3, 4, 5, g + 1);
+    _tile_stored(0, part[0], 64);
+    add(part[0], g);
+    if (g + 1 < groups) {
+      if (g + 2 < groups) RINGSERVE_AMX_GROUP(0, 1, 2, g + 2);
+      _tile_stored(3, part[1], 64);
+      add(part[1], g + 1);
+    }
+  }
+}
+#undef RINGSERVE_AMX_GROUP
+
+// tile_passes by AMX: x has a multiple of 16 rows readable (amx_rows), `rows` of them real.
+// The caller has run amx_begin(amx_pairs(group)) on this thread.
+template <int BITS>
+void amx_tile_passes(const uint16_t* x, int64_t rows, const float* xsum,
+                     const c10::BFloat16* bias, int64_t t, int64_t k, int64_t group, int64_t n,
+                     const uint32_t* tile, const float* sct, const float* mnt,
+                     c10::BFloat16* out) {
+  const int64_t groups = k / group, r0 = t * kTile, valid = std::min(kTile, n - r0);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t left = valid - h * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      alignas(64) float bv[16] = {};
+      for (int i = 0; i < 16 && i < left; ++i) bv[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
+      b = _mm512_load_ps(bv);
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      __m512 acc[16];
+      const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
+      const int64_t mr = std::min<int64_t>(16, rows - m0);
+      ringserve::with_rows<16>(mr, [&](auto r) {
+        amx_half<decltype(r)::value, BITS>(x + m0 * k, k, group, tile, sct, mnt, xs, groups, h,
+                                           acc);
+      });
+      for (int64_t m = 0; m < mr; ++m) {
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+        _mm256_mask_storeu_epi16(out + (m0 + m) * n + r0 + h * 16, mask, v);
+      }
+    }
+  }
+}
+
+// x with its rows padded with zeros to a multiple of 16, where they are not one already
+// (AMX loads 16 rows a tile): the rows to read, and the copy that holds them (if any).
+const uint16_t* amx_rows(const uint16_t* x, int64_t rows, int64_t k, std::vector<uint16_t>& pad) {
+  if (rows % 16 == 0) return x;
+  pad.assign(static_cast<size_t>((rows + 15) / 16 * 16 * k), 0);
+  std::memcpy(pad.data(), x, static_cast<size_t>(rows * k) * sizeof(uint16_t));
+  return pad.data();
+}
+
+bool amx_on() { return g_amx.load(std::memory_order_relaxed); }
+#else
+bool amx_on() { return false; }
+#endif  // RINGSERVE_AMX
+
 template <int BITS>
 void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
                const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
                int64_t group, int64_t n, c10::BFloat16* out) {
   const int64_t kp = k / 2, groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
+#if defined(RINGSERVE_AMX)
+  std::vector<uint16_t> pad;
+  const bool amx = amx_on();
+  const uint16_t* xa = amx ? amx_rows(x, rows, k, pad) : x;
+#endif
   ringserve::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
+#if defined(RINGSERVE_AMX)
+    if (amx) amx_begin(amx_pairs(group));
+#endif
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
     std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
     for (int64_t t = t0; t < t1; ++t) {
@@ -433,9 +585,19 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
         for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
       }
       widen_tile<BITS>(qw, scales, mins, t, k, group, n, tile.data(), sct.data(), mnt.data());
+#if defined(RINGSERVE_AMX)
+      if (amx) {
+        amx_tile_passes<BITS>(xa, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
+                              mnt.data(), out);
+        continue;
+      }
+#endif
       tile_passes<BITS>(x, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
                         mnt.data(), out);
     }
+#if defined(RINGSERVE_AMX)
+    if (amx) amx_end();
+#endif
   });
 }
 #endif  // __AVX512BF16__
@@ -581,20 +743,63 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
   const auto* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
   const float* sp = scales.data_ptr<float>();
   const float* mp = bits == 4 ? mins.data_ptr<float>() : nullptr;
+#if defined(RINGSERVE_AMX)
+  std::vector<uint16_t> pad;
+  const bool amx = amx_on();
+  const uint16_t* xa = amx ? amx_rows(xp, rows, k, pad) : xp;
+#endif
   ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+#if defined(RINGSERVE_AMX)
+    if (amx) amx_begin(amx_pairs(group));
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       const uint32_t* tile = tp + t * (k / 2) * kTile;
       const float* sct = sp + t * groups * kTile;
+#if defined(RINGSERVE_AMX)
+      if (amx) {
+        // NOTE: the next tile into L2 while this one is multiplied: AMX takes a tile faster
+        // than the hardware prefetcher brings the next from memory.
+        if (t + 1 < t1) {
+          const auto* next = reinterpret_cast<const char*>(tile + (k / 2) * kTile);
+          for (int64_t off = 0; off < k * 2 * kTile; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+        }
+        if (bits == 8)
+          amx_tile_passes<8>(xa, rows, nullptr, prep.bp, t, k, group, n, tile, sct, nullptr,
+                             prep.op);
+        else
+          amx_tile_passes<4>(xa, rows, xsum, prep.bp, t, k, group, n, tile, sct,
+                             mp + t * groups * kTile, prep.op);
+        continue;
+      }
+#endif
       if (bits == 8)
         tile_passes<8>(xp, rows, nullptr, prep.bp, t, k, group, n, tile, sct, nullptr, prep.op);
       else
         tile_passes<4>(xp, rows, xsum, prep.bp, t, k, group, n, tile, sct,
                        mp + t * groups * kTile, prep.op);
     }
+#if defined(RINGSERVE_AMX)
+    if (amx) amx_end();
+#endif
   });
   return prep.out;
 #else
   TORCH_CHECK(false, "quant_linear_tiles: this build has no AVX512-BF16");
+#endif
+}
+
+// Whether the many-row path multiplies by AMX tiles (`on`: where the CPU has them): asks
+// Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), which a CPU or
+// kernel without AMX refuses. Returns whether AMX is now in use.
+bool use_amx(bool on) {
+#if defined(RINGSERVE_AMX)
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  const bool ok = on && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  g_amx.store(ok);
+  return ok;
+#else
+  (void)on;
+  return false;
 #endif
 }
 
@@ -612,6 +817,7 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
+  m.def("use_amx(bool on) -> bool", &use_amx);
   m.def("quant_tiles(Tensor qweight, Tensor scales, Tensor? mins, int bits, int group) -> Tensor[]");
   m.def("quant_linear_tiles(Tensor x, Tensor tiles, Tensor scales, Tensor mins, int bits, "
         "int group, int n, Tensor? bias) -> Tensor");
