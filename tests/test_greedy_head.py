@@ -88,61 +88,6 @@ def test_the_pick_is_the_full_heads_first_maximum(cpu_variant: str, m: int, rows
                 mine.tolist())
 
 
-@pytest.mark.skipif(not cpu_build.amx(), reason="the AMX pass needs AMX-BF16 (amx_bf16, "
-                    "amx_tile) in use: this CPU has none, or RINGSERVE_AMX=0 / a class cap")
-@pytest.mark.parametrize(("packed", "group"), [(None, 32), (2, 32), (2, 16)])
-@pytest.mark.parametrize("m", [greedy_head.AMX_PASS_ROWS, 16, 17, 33])
-def test_the_amx_pass_keeps_the_full_heads_first_maximum(m: int, packed: int | None,
-                                                         group: int) -> None:
-    """The AMX pass (bf16 rows from AMX_PASS_ROWS, a copy with the scales folded in): its
-    candidates hold every float64 maximum and every row the full head ties at its maximum,
-    the pick is the full head's, and real hidden states keep few candidates."""
-    head = _head(1003, 128, packed, group=group)
-    picker = GreedyHead(head)
-    assert picker.folded is not None
-    for seed in range(4):
-        x = _hidden(m, 128, seed)
-        full = head(x)
-        got = picker.pick(x)
-        assert got is not None and torch.equal(got, first_max(full))
-        index, offsets = picker.candidates(x)
-        dense = x.double() @ dequantize(head.qw).double().T
-        for i in range(m):
-            mine = index[offsets[i] : offsets[i + 1]].long()
-            assert torch.equal(mine, mine.sort().values) and len(mine) < 100
-            assert set(torch.nonzero(dense[i] == dense[i].max()).flatten().tolist()) <= set(
-                mine.tolist())
-            assert set(torch.nonzero(full[i] == full[i].max()).flatten().tolist()) <= set(
-                mine.tolist())
-
-
-@pytest.mark.skipif(not cpu_build.amx(), reason="the AMX pass needs AMX-BF16 (amx_bf16, "
-                    "amx_tile) in use: this CPU has none, or RINGSERVE_AMX=0 / a class cap")
-def test_the_amx_pass_bound_holds_on_near_ties() -> None:
-    """Rows whose exact logits differ by less than the folded copy's rounding: the bound,
-    not luck, keeps the right one. Row 700 is row 11 with one value a grid step larger;
-    x weighs that value barely, so 700 wins by a hair the bf16 copy cannot see."""
-    head = _head(800, 128, None, seed=2)
-    qw = head.qw
-    signs = torch.where(torch.arange(128) % 3 == 0, -1, 1)
-    for r in (11, 700):
-        qw.qweight[r] = (signs * 100).to(torch.int8)
-        qw.scales[r] = qw.scales.max()
-    qw.qweight[700, 5] += 1
-    head = QuantLinear(qw, None)
-    picker = GreedyHead(head)
-    x = (signs.float() * torch.rand(1, 128) + 0.5).repeat(greedy_head.AMX_PASS_ROWS, 1)
-    x[:, 5] = torch.linspace(-0.01, 0.01, greedy_head.AMX_PASS_ROWS)
-    x = x.to(torch.bfloat16)
-    full = head(x)
-    got = picker.pick(x)
-    assert got is not None and torch.equal(got, first_max(full))
-    index, offsets = picker.candidates(x)
-    for i in range(len(x)):
-        mine = set(index[offsets[i] : offsets[i + 1]].tolist())
-        assert {11, 700} <= mine  # neither can be ruled out by the pass
-
-
 @each_pass
 @pytest.mark.parametrize("rows", ROWS)
 def test_ties_go_to_the_first_row_as_the_full_head_breaks_them(cpu_variant: str,

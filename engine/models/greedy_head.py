@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
-from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
+from ringserve.kernels import cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import QuantizedWeight, dequantize
@@ -34,10 +34,6 @@ TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
 GREEDY_HEAD_ROWS = 2
 GREEDY_HEAD_ROWS_AVX2 = 4
 PACK_ROWS = 16384  # rows dequantized at a time while packing
-# Where the kernels multiply by AMX tiles (`cpu_build.amx`), bf16 steps of this many greedy
-# rows or more take the AMX pass over a bf16 copy with the scales folded in (docs/cpu.md,
-# "The greedy head on AMX"); fewer rows read the one-byte copy, half the bytes.
-AMX_PASS_ROWS = 9
 
 
 def supported() -> bool:
@@ -62,10 +58,6 @@ class GreedyHead:
         self.vocab, self.k = head.out_features, head.in_features
         self.min_rows = min_rows()
         self._pack(head.qw)
-        self.folded: torch.Tensor | None = None
-        self.folded_norms: torch.Tensor | None = None
-        if cpu_build.amx() and self.k % 32 == 0:
-            self._fold(head.qw)
 
     @staticmethod
     def can_serve(head: object, dtype: torch.dtype) -> str | None:
@@ -88,25 +80,7 @@ class GreedyHead:
         return None
 
     def nbytes(self) -> int:
-        return sum(int(t.numel() * t.element_size())
-                   for t in (self.tiles, self.scales, self.norms, self.folded, self.folded_norms)
-                   if t is not None)
-
-    def _fold(self, qw: QuantizedWeight) -> None:
-        """The AMX pass's copy: the head's values times their scales, rounded to bf16, as
-        pairs of k across tiles of 32 rows ([T, k / 2 * 32] int32, `cpu_quant.quant_tiles`'
-        layout), and the norms padded to T * 32."""
-        n, k = self.vocab, self.k
-        count = -(-n // 32)
-        folded = torch.zeros(count * 32, k, dtype=torch.bfloat16)
-        for lo in range(0, n, PACK_ROWS):
-            hi = min(n, lo + PACK_ROWS)
-            folded[lo:hi] = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32)
-        self.folded = folded.view(count, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous() \
-            .view(torch.int32).view(count, k // 2 * 32)
-        norms = torch.zeros(count * 32, dtype=torch.float32)
-        norms[:n] = self.norms[:n]
-        self.folded_norms = norms
+        return sum(int(t.numel() * t.element_size()) for t in (self.tiles, self.scales, self.norms))
 
     def _pack(self, qw: QuantizedWeight) -> None:
         """The copy `greedy_head.cpp` reads: tiles [T, k * 16] uint8 of q + 128 in tiles of
@@ -134,10 +108,6 @@ class GreedyHead:
     def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index int32, offsets int64 [m + 1]): the vocabulary rows that may hold each x
         row's maximum, ascending (`greedy_head.cpp`)."""
-        if self.folded is not None and x.dtype == torch.bfloat16 and len(x) >= AMX_PASS_ROWS:
-            amx: tuple[torch.Tensor, torch.Tensor] = tuple(ops().greedy_head_candidates_amx(
-                x.contiguous(), self.folded, self.folded_norms, self.vocab))
-            return amx
         index, offsets = ops().greedy_head_candidates(x.contiguous(), self.tiles, self.scales,
                                                       self.norms, self.group, self.vocab)
         return index, offsets

@@ -42,7 +42,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -469,29 +468,6 @@ void round_rows(const T* xp, int64_t m, int64_t k, int64_t group, std::vector<in
 }
 #endif
 
-// The chunks' lists as (index int32 [c], offsets int64 [m + 1]), each row's candidates
-// ascending: a chunk's entries below the largest lower bound any chunk found are dropped.
-std::vector<at::Tensor> merge_found(const std::vector<std::vector<Found>>& parts, int64_t m,
-                                    const at::Tensor& x) {
-  auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
-  int64_t* op = offsets.data_ptr<int64_t>();
-  std::vector<int32_t> all;
-  op[0] = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    float floor = -std::numeric_limits<float>::infinity();
-    for (const auto& part : parts) floor = std::max(floor, part[i].floor);
-    for (const auto& part : parts) {
-      const Found& f = part[i];
-      for (size_t j = 0; j < f.index.size(); ++j)
-        if (f.high[j] >= floor) all.push_back(f.index[j]);
-    }
-    op[i + 1] = static_cast<int64_t>(all.size());
-  }
-  auto index = at::empty({static_cast<int64_t>(all.size())}, x.options().dtype(at::kInt));
-  std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
-  return {index, offsets};
-}
-
 // x: [m, k] bf16 or float32; tiles: [T, k * 16] uint8 (T = ceil(vocab / 16)); scales: [T, groups * 16]
 // float32; norms: [T * 16] float32 (||w_r||, rounded up). Returns (index int32 [c], offsets
 // int64 [m + 1]): x row i's candidates, ascending, are index[offsets[i]:offsets[i+1]].
@@ -554,153 +530,28 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
         parts[c][i].floor = std::max(parts[c][i].floor, lane_max(lanes[i]));
     }
   });
-  return merge_found(parts, m, x);
+  auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
+  int64_t* op = offsets.data_ptr<int64_t>();
+  std::vector<int32_t> all;
+  op[0] = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    float floor = -std::numeric_limits<float>::infinity();
+    for (const auto& part : parts) floor = std::max(floor, part[i].floor);
+    for (auto& part : parts) {
+      const Found& f = part[i];
+      for (size_t j = 0; j < f.index.size(); ++j)
+        if (f.high[j] >= floor) all.push_back(f.index[j]);
+    }
+    op[i + 1] = static_cast<int64_t>(all.size());
+  }
+  auto index = at::empty({static_cast<int64_t>(all.size())}, x.options().dtype(at::kInt));
+  std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
+  return {index, offsets};
 #else
   (void)m;  // the portable build has no pass
   TORCH_CHECK(false, "greedy_head_candidates: this build has neither AVX512-VNNI nor AVX2");
 #endif
 }
-
-#if defined(__AVX512BF16__) && defined(__x86_64__) && !defined(RINGSERVE_EMULATE_AVX512)
-// The pass on AMX (docs/cpu.md, "The greedy head on AMX"): bf16 rows against a bf16 copy of
-// the head whose group scales are folded into its values (w^ = bf16(q * scale), |w - w^|
-// <= 2^-8 |w| a value), by TDPBF16PS over the whole width with no per-group scaling, which
-// on AMX costs more than the multiply. Each logit's approximation a_r then has
-//
-//     |sum_d w_rd x_d - a_r| <= 2^-8 (1 + 2^-6) ||w_r|| ||x|| + k 2^-23 ||w_r|| ||x||
-//
-// (the copy's rounding, then float32 sums of products of bf16 values in any order), and
-// the bound is widened, as for the int8 pass, by the exact path's own errors (XRow::room)
-// and its bf16 output (2^-8 |a_r|). The candidates and their exact multiply are as there.
-#define RINGSERVE_GREEDY_AMX 1
-
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0 / tmm1: 16 x rows by 16 vocabulary rows (float32 sums), the tile's two halves;
-// tmm2: 16 x rows by 16 pairs of k; tmm3 / tmm4: 16 pairs by 16 vocabulary rows.
-__attribute__((target("amx-tile"))) void amx_pass_begin() {
-  AmxConfig c;
-  for (int i = 0; i < 5; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  // NOTE: as in quant_gemm.cpp: GCC 12's _tile_loadconfig declares an 8-byte read.
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
-}
-
-__attribute__((target("amx-tile"))) void amx_pass_end() { _tile_release(); }
-
-// sums[h][i][j]: x row i of the block (16 rows readable at x, stride k) against vocabulary
-// row 16 h + j of the 32-row tile (pairs of k across its rows, quant_tiles' layout).
-__attribute__((target("amx-tile,amx-bf16"))) void amx_pass_tile(const uint16_t* x, int64_t k,
-                                                                 const uint32_t* tile,
-                                                                 float* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t p = 0; p < k / 2; p += 16) {
-    _tile_loadd(2, x + 2 * p, k * 2);
-    _tile_loadd(3, tile + p * 32, 128);
-    _tile_loadd(4, tile + p * 32 + 16, 128);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-  }
-  _tile_stored(0, sums, 64);
-  _tile_stored(1, sums + 256, 64);
-}
-
-// x: [m, k] bf16; tiles: [ceil(vocab / 32), k / 2 * 32] int32, the folded copy as pairs of
-// bf16 (quant_tiles' layout); norms: [tiles * 32] float32 (||w_r||, rounded up; 0 past the
-// vocabulary). Returns what greedy_head_candidates returns.
-std::vector<at::Tensor> greedy_head_candidates_amx(const at::Tensor& x, const at::Tensor& tiles,
-                                                   const at::Tensor& norms, int64_t vocab) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "greedy_head_candidates_amx: x must be contiguous bf16 [m, k]");
-  const int64_t m = x.size(0), k = x.size(1), count = (vocab + 31) / 32;
-  TORCH_CHECK(k % 32 == 0, "greedy_head_candidates_amx: k must be a multiple of 32");
-  TORCH_CHECK(tiles.scalar_type() == at::kInt && tiles.is_contiguous() && tiles.dim() == 2 &&
-                  tiles.size(0) == count && tiles.size(1) == k / 2 * 32,
-              "greedy_head_candidates_amx: tiles must be int32 [ceil(vocab / 32), k / 2 * 32]");
-  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
-                  norms.numel() == count * 32,
-              "greedy_head_candidates_amx: norms must be float32 [tiles * 32]");
-  TORCH_CHECK(ringserve::amx_on(), "greedy_head_candidates_amx: AMX is off in this process");
-  TORCH_CHECK(vocab < std::numeric_limits<int32_t>::max(), "greedy_head_candidates_amx: vocab too large");
-  // Rows padded to a multiple of 16 (AMX loads 16 a tile) and each row's room.
-  const int64_t padded = (m + 15) / 16 * 16;
-  std::vector<uint16_t> xp(static_cast<size_t>(padded * k), 0);
-  std::memcpy(xp.data(), x.data_ptr<c10::BFloat16>(), static_cast<size_t>(m * k) * 2);
-  std::vector<float> room(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) {
-    double norm2 = 0, all = 0;
-    for (int64_t d = 0; d < k; ++d) {
-      const double v = ringserve::to_f(x.data_ptr<c10::BFloat16>()[i * k + d]);
-      norm2 += v * v;
-      all = std::max(all, std::abs(v));
-    }
-    const double norm = std::sqrt(norm2);
-    room[i] = static_cast<float>((0x1p-8 * (1 + 0x1p-6) + static_cast<double>(k) * 0x1p-23 +
-                                  0x1p-12) * norm +
-                                 0x1p-15 * std::sqrt(static_cast<double>(k)) * all) *
-              (1 + 1e-6f);
-  }
-  const auto* tp = reinterpret_cast<const uint32_t*>(tiles.data_ptr<int32_t>());
-  const float* np = norms.data_ptr<float>();
-  const int64_t chunks = std::min(kChunks, count);
-  std::vector<std::vector<Found>> parts(static_cast<size_t>(chunks),
-                                        std::vector<Found>(static_cast<size_t>(m)));
-  ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    amx_pass_begin();
-    std::vector<Lane> lanes(static_cast<size_t>(m));
-    alignas(64) float sums[2 * 16 * 16];
-    for (int64_t c = c0; c < c1; ++c) {
-      std::fill(lanes.begin(), lanes.end(), lane_init());
-      const int64_t t0 = count * c / chunks, t1 = count * (c + 1) / chunks;
-      for (int64_t t = t0; t < t1; ++t) {
-        const uint32_t* tile = tp + t * (k / 2) * 32;
-        if (t + 1 < t1) {  // the next tile into L2 while this one is multiplied
-          const auto* next = reinterpret_cast<const char*>(tile + (k / 2) * 32);
-          for (int64_t off = 0; off < k * 64; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-        }
-        for (int64_t m0 = 0; m0 < m; m0 += 16) {
-          amx_pass_tile(xp.data() + m0 * k, k, tile, sums);
-          for (int h = 0; h < 2; ++h) {
-            const int64_t r0 = t * 32 + h * 16;
-            if (r0 >= vocab) break;
-            const __mmask16 valid = vocab - r0 >= 16
-                                        ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << (vocab - r0)) - 1);
-            const __m512 n = _mm512_loadu_ps(np + r0);
-            for (int64_t i = m0; i < std::min(m, m0 + 16); ++i) {
-              const __m512 a = _mm512_load_ps(sums + h * 256 + (i - m0) * 16);
-              const __m512 b = _mm512_fmadd_ps(
-                  n, _mm512_set1_ps(room[i]),
-                  _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-8f), _mm512_set1_ps(1e-4f)));
-              lanes[i] = _mm512_mask_max_ps(lanes[i], valid, lanes[i], _mm512_sub_ps(a, b));
-              const __m512 high = _mm512_add_ps(a, b);
-              const __mmask16 keep = _mm512_mask_cmp_ps_mask(
-                  valid, high, _mm512_set1_ps(parts[c][i].floor), _CMP_GE_OQ);
-              if (keep == 0) continue;
-              alignas(64) float hs[16];
-              _mm512_store_ps(hs, high);
-              parts[c][i].take(keep, r0, hs, [&] { return lane_max(lanes[i]); });
-            }
-          }
-        }
-      }
-      for (int64_t i = 0; i < m; ++i)
-        parts[c][i].floor = std::max(parts[c][i].floor, lane_max(lanes[i]));
-    }
-    amx_pass_end();
-  });
-  return merge_found(parts, m, x);
-}
-#endif
 
 bool greedy_head_supported() {
 #if defined(RINGSERVE_GREEDY_PASS)
@@ -716,12 +567,6 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("greedy_head_candidates(Tensor x, Tensor tiles, Tensor scales, Tensor norms, int group, "
         "int vocab) -> Tensor[]");
   m.def("greedy_head_supported() -> bool", &greedy_head_supported);
-  m.def("greedy_head_candidates_amx(Tensor x, Tensor tiles, Tensor norms, int vocab) -> Tensor[]");
 }
 
-RINGSERVE_IMPL(RINGSERVE_NS, m) {
-  m.impl("greedy_head_candidates", &greedy_head_candidates);
-#if defined(RINGSERVE_GREEDY_AMX)
-  m.impl("greedy_head_candidates_amx", &greedy_head_candidates_amx);
-#endif
-}
+RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("greedy_head_candidates", &greedy_head_candidates); }

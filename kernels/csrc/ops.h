@@ -14,9 +14,3 @@
 #define RINGSERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define RINGSERVE_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define RINGSERVE_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
-
-namespace ringserve {
-// Whether this process multiplies by AMX tiles (quant_gemm.cpp's use_amx turned it on and
-// Linux granted the tile state): the other AMX code checks it before touching a tile.
-bool amx_on();
-}  // namespace ringserve

@@ -556,11 +556,6 @@ bool amx_on() { return g_amx.load(std::memory_order_relaxed); }
 #else
 bool amx_on() { return false; }
 #endif  // RINGSERVE_AMX
-}  // namespace
-
-bool ringserve::amx_on() { return ::amx_on(); }
-
-namespace {
 
 template <int BITS>
 void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Half* scales,
