@@ -553,8 +553,6 @@ const uint16_t* amx_rows(const uint16_t* x, int64_t rows, int64_t k, std::vector
 }
 
 bool amx_on() { return g_amx.load(std::memory_order_relaxed); }
-#else
-bool amx_on() { return false; }
 #endif  // RINGSERVE_AMX
 
 template <int BITS>
