@@ -4,7 +4,8 @@
 Greedy generation over the seed article records the rows the greedy head picks for; then,
 for 1, 8 and 32 (`--rows`) of those rows at a time, the median time of the candidates pass alone, of
 the whole pick (pass, candidates' exact logits, first maximum) and of the full head, and
-how many candidates a row kept.
+how many candidates a row kept. Where the pass runs on AMX tiles, the AVX512-VNNI pass over
+its own copy is timed beside it on the same rows.
 
     python benchmarks/greedy_head_pass.py                 # gemma-3-270m, serve's defaults
     python benchmarks/greedy_head_pass.py --dtype bfloat16
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ringserve.engine import LLM, SamplingParams
+from ringserve.engine.models.greedy_head import GreedyHead
 
 SEED_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seed"
 
@@ -62,21 +64,25 @@ def main() -> None:
     hidden = torch.cat(rows)
     print(f"{args.model} {hidden.dtype}: {len(hidden)} recorded rows, min_rows "
           f"{picker.min_rows}")
+    picker.pick = pick  # type: ignore[method-assign]
+    pickers = {"amx" if picker.amx else "int8": picker}
+    if picker.amx:
+        pickers["vnni"] = GreedyHead(picker.head, amx=False)
     for m in (int(r) for r in args.rows.split(",")):
-        times: dict[str, list[float]] = {"pass": [], "pick": [], "full": []}
-        kept: list[float] = []
-        for call in range(args.calls):
-            start = call * 32 % max(1, len(hidden) - m)
-            x = hidden[start : start + m].contiguous()
-            for name, fn in (("pass", picker.candidates), ("pick", pick),
-                             ("full", picker.head)):
-                _ms(functools.partial(fn, x), times[name])
-            _, offsets = picker.candidates(x)
-            kept += (offsets[1:] - offsets[:-1]).tolist()
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{m:>2} rows: pass {med['pass']:.2f} ms, pick {med['pick']:.2f} ms, full head "
-              f"{med['full']:.2f} ms; candidates a row: median {statistics.median(kept):.0f}, "
-              f"max {max(kept):.0f}")
+        for label, p in pickers.items():
+            times: dict[str, list[float]] = {"pass": [], "pick": [], "full": []}
+            kept: list[float] = []
+            for call in range(args.calls):
+                start = call * 32 % max(1, len(hidden) - m)
+                x = hidden[start : start + m].contiguous()
+                for name, fn in (("pass", p.candidates), ("pick", p.pick), ("full", p.head)):
+                    _ms(functools.partial(fn, x), times[name])
+                _, offsets = p.candidates(x)
+                kept += (offsets[1:] - offsets[:-1]).tolist()
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(f"{m:>2} rows, {label} pass {med['pass']:.2f} ms, pick {med['pick']:.2f} ms, "
+                  f"full head {med['full']:.2f} ms; candidates a row: median "
+                  f"{statistics.median(kept):.0f}, max {max(kept):.0f}")
 
 
 if __name__ == "__main__":

@@ -69,15 +69,20 @@ def cpu_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     on a CPU of that class: every op, the oneDNN packing choice and the auto dtype follow.
     On an AMX machine this tests the AVX2 and portable paths an AVX2-only machine serves;
     on an AVX2 machine, the AVX-512 variants too, in software (`cpu_build.emulated`), with
-    oneDNN's choices those of the real CPU."""
+    oneDNN's choices those of the real CPU.
+
+    A test may also ask for "amx" (only on a CPU with AMX): the avx512_bf16 build with its
+    AMX tiles on, as the amx class runs."""
     from ringserve.kernels import cpu_build, cpu_isa
 
     variant: str = request.param
     real = cpu_isa.info()
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls=variant))
-    if not cpu_build.available(variant):
-        pytest.fail(f"the {variant} CPU kernels did not build")
-    if cpu_build.amx(variant):  # the avx512_bf16 class has no AMX: its dpbf16 tiles
-        cpu_build.set_amx(False, variant)
-        request.addfinalizer(lambda: cpu_build.set_amx(True, variant))
+    build = cpu_isa.info().variant
+    if not cpu_build.available(build):
+        pytest.fail(f"the {build} CPU kernels did not build")
+    was = cpu_build.amx(build)
+    if was != (variant == "amx"):  # the avx512_bf16 class has no AMX: its dpbf16 tiles
+        assert cpu_build.set_amx(variant == "amx", build) == (variant == "amx")
+        request.addfinalizer(lambda: cpu_build.set_amx(was, build))
     return variant

@@ -5,8 +5,9 @@ The claim is exactness: the token is the first maximum of the full head's own lo
 for bit, for every row count (each count takes another path of the head: one-row GEMV,
 one-byte tiles, bf16 tiles, float32 rows' int16 blocks), in every kernel variant that has
 the pass (AVX512-VNNI's and AVX2's, through the `cpu_variant` fixture: an AVX-512 machine
-tests the AVX2 pass too). References: the head's own forward with `first_max`, and a
-float64 matmul of the dequantized weight for the bound itself.
+tests the AVX2 pass too; an AMX machine the AMX pass over its own copy as well).
+References: the head's own forward with `first_max`, and a float64 matmul of the
+dequantized weight for the bound itself.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ from tests.tiny_models import make_checkpoint, random_tokens
 
 # The variants whose build has the pass: every x86 one but the portable (conftest's
 # `cpu_variant`, restricted; on a CPU without AVX2 the list is empty).
-PASS_VARIANTS = [v for v in cpu_build.tested_variants() if v != "portable"]
+# And "amx" (the avx512_bf16 build with AMX tiles on) where the CPU has AMX-INT8: the AMX pass.
+HAS_AMX_PASS = (cpu_isa.info().has("amx") and "amx_int8" in cpu_isa.info().flags
+                and cpu_build.available("avx512_bf16"))
+PASS_VARIANTS = [v for v in cpu_build.tested_variants() if v != "portable"] + (
+    ["amx"] if HAS_AMX_PASS else [])
 each_pass = pytest.mark.parametrize("cpu_variant", PASS_VARIANTS, indirect=True)
+needs_amx_pass = pytest.mark.skipif(not HAS_AMX_PASS, reason="this CPU has no AMX-INT8 "
+                                    "(amx_int8, amx_tile), or no avx512_bf16 kernels were built")
 
 # How the rows reach the head: bf16 activations, or float32 ones through the int16 blocks
 # (AVX2's default) or through the float32 FMA path.
@@ -68,11 +75,14 @@ def _hidden(m: int, k: int, seed: int, rows: str = "bf16") -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 33])
 def test_the_pick_is_the_full_heads_first_maximum(cpu_variant: str, m: int, rows: str,
                                                   packed: int | None, group: int) -> None:
-    # 1003: the last tile is partly past the vocabulary; group 16: GGUF's Q6_K
-    head = _head(1003, 128, packed, group=group, rows=rows)
+    # 2503: the last tile is partly past the vocabulary, and the work's chunks hold pairs of
+    # tiles and odd ones; group 16: GGUF's Q6_K; k 160: not a multiple of the AMX pass's 64
+    vocab, k = 2503, 160
+    head = _head(vocab, k, packed, group=group, rows=rows)
     picker = GreedyHead(head)
+    assert picker.amx == (cpu_variant == "amx")
     for seed in range(4):
-        x = _hidden(m, 128, seed, rows)
+        x = _hidden(m, k, seed, rows)
         full = head(x)
         got = picker.pick(x)
         assert got is not None and torch.equal(got, first_max(full))
@@ -80,7 +90,7 @@ def test_the_pick_is_the_full_heads_first_maximum(cpu_variant: str, m: int, rows
         dense = x.double() @ dequantize(head.qw).double().T
         for i in range(m):
             mine = index[offsets[i] : offsets[i + 1]].long()
-            assert torch.equal(mine, mine.sort().values) and len(mine) < 1003
+            assert torch.equal(mine, mine.sort().values) and len(mine) < vocab // 10
             # every float64 maximum, and every row the full head ties at its maximum
             assert set(torch.nonzero(dense[i] == dense[i].max()).flatten().tolist()) <= set(
                 mine.tolist())
@@ -130,7 +140,10 @@ def test_it_serves_only_what_it_can_and_says_why(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(cpu_isa, "info", lambda cls=cls: dataclasses.replace(real, cls=cls))
         assert GreedyHead.can_serve(head, torch.float32) is None
         assert GreedyHead.can_serve(head, torch.bfloat16) is None
-        assert greedy_head.min_rows() == (2 if cls == "avx512_bf16" else 4)
+        # the AMX pass from one row, where it runs (the amx class with AMX tiles on)
+        assert greedy_head.amx_pass() == (cls == "amx" and cpu_build.amx())
+        assert greedy_head.min_rows() == (1 if cls == "amx" and cpu_build.amx() else
+                                          2 if cls in ("avx512_bf16", "amx") else 4)
     # the portable build has no pass
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="portable"))
     assert "neither AVX512-VNNI nor AVX2" in (GreedyHead.can_serve(head, torch.float32) or "")
@@ -150,7 +163,8 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
         caplog: pytest.LogCaptureFixture) -> None:
     """Greedy rows beside rows that sample, report logprobs or change their logits: every
     sequence's tokens (and logprobs) as with the full head, and the greedy rows were picked;
-    a lone greedy sequence keeps the full head (fewer rows than `min_rows`)."""
+    a lone greedy sequence keeps the full head (fewer rows than `min_rows`) but with the AMX
+    pass, which serves from one row."""
     # (gemma-3's own config has no final soft-cap; the tiny one's would turn the head off)
     path = make_checkpoint("gemma3_text", tmp_path, overrides={"final_logit_softcapping": None})
     prompts = [{"prompt_token_ids": random_tokens(12 + i, seed=i)} for i in range(8)]
@@ -183,7 +197,8 @@ def test_the_engine_emits_the_same_tokens_with_and_without_it(
     assert runs["auto"][:2] == runs["off"][:2]
     assert runs["auto"][2] == 5 and runs["off"][2] == 0  # the five plain greedy rows
     assert lone["auto"][0] == lone["off"][0] == runs["off"][0][0]
-    assert lone["auto"][1] == lone["off"][1] == 0
+    # the AMX pass serves a lone row too (`min_rows` 1)
+    assert lone["auto"][1] == (1 if cpu_variant == "amx" else 0) and lone["off"][1] == 0
     assert "greedy head: " in caplog.text and "greedy head off (off)" in caplog.text
 
 
@@ -199,3 +214,31 @@ def test_a_model_that_soft_caps_its_logits_keeps_the_full_head(
     assert llm.engine.runner.greedy_head is None
     assert "greedy head off (the model soft-caps or scales its logits)" in caplog.text
 
+
+
+@needs_amx_pass
+@pytest.mark.parametrize("cpu_variant", ["amx"], indirect=True)
+def test_the_amx_copys_own_error_is_in_the_bound(cpu_variant: str) -> None:
+    """The AMX pass reads each head row at one int8 scale a row, coarser than the head's own
+    groups: there a decoy row (ten values that round up to one step of its row's scale) beats
+    the true maximum (22 values that round to nothing), and only the copy's error term in the
+    bound keeps the true one a candidate. With that term zeroed the pick goes to the decoy."""
+    k, step = 64, 1 / 127  # each row's largest value is 1.0: the copy's step is 1 / 127
+    torch.manual_seed(5)
+    weight = torch.zeros(40, k)
+    weight[:, 0] = 0.5
+    weight[:, 32:] = torch.rand(40, 32) * 0.2 * step
+    weight[3, 0] = weight[17, 0] = 1.0
+    weight[3, 32:42] = 0.51 * step  # the decoy: +10 steps in the copy, +5.1 exactly
+    weight[17, 32:] = 0.0
+    weight[17, 42:] = 0.45 * step  # the maximum: nothing in the copy, +9.9 exactly
+    head = QuantLinear(quantize_int8(weight, 32), None)
+    x = torch.ones(2, k, dtype=torch.bfloat16)  # its digits are exact: x's rounding is no help
+    want = first_max(head(x))
+    assert want.tolist() == [17, 17]
+    picker = GreedyHead(head)
+    assert picker.amx
+    got = picker.pick(x)
+    assert got is not None and torch.equal(got, want)
+    picker.meta[2:] = 0  # ||e_r|| and max |e_r|: as if the copy were the head
+    assert picker.pick(x).tolist() == [3, 3]  # type: ignore[union-attr]

@@ -13,6 +13,11 @@ Only for a quantized head without bias, on a build with AVX512-VNNI or AVX2 (the
 variants), for bf16 or float32 activations, where the head's path for the step's rows is
 one of our kernels (not oneDNN's packed GEMM), and for rows that take the plain first
 maximum (`engine.llm_engine` decides which).
+
+On a CPU with AMX-INT8 whose kernels take AMX tiles (`cpu_build.amx()`), the pass is AMX's
+instead, over a copy of its own: each head row's values at one scale a row (`_pack_amx`),
+whose error from the head's own values is a term of the bound (docs/cpu.md, "The greedy
+head on AMX").
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
-from ringserve.kernels import cpu_isa, cpu_quant
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
 from ringserve.kernels.quant import QuantizedWeight, dequantize
@@ -33,6 +38,10 @@ TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
 # full head 6.8-7.7 / 6.7 ms at 2 rows, 8.6-8.9 / 8.4-8.5 at 3, 9.9-10.3 / 11.0 at 4).
 GREEDY_HEAD_ROWS = 2
 GREEDY_HEAD_ROWS_AVX2 = 4
+# The AMX pass reads one byte a head value as the VNNI pass does, but only the copy (no group
+# scales): from one row it beats the full head's one-row multiply (AMX machine,
+# `benchmarks/greedy_head_pass.py --rows 1`: pick 7.8 against 9.3 ms).
+GREEDY_HEAD_ROWS_AMX = 1
 PACK_ROWS = 16384  # rows dequantized at a time while packing
 
 
@@ -41,9 +50,20 @@ def supported() -> bool:
     return available() and bool(ops().greedy_head_supported())
 
 
-def min_rows() -> int:
-    """The fewest greedy rows a step picks with the pass on this CPU class."""
+def min_rows(amx: bool | None = None) -> int:
+    """The fewest greedy rows a step picks with the pass on this CPU class (``amx``: with the
+    AMX pass; None: where `amx_pass()`)."""
+    if amx_pass() if amx is None else amx:
+        return GREEDY_HEAD_ROWS_AMX
     return GREEDY_HEAD_ROWS if cpu_isa.info().variant == "avx512_bf16" else GREEDY_HEAD_ROWS_AVX2
+
+
+def amx_pass() -> bool:
+    """Whether the pass runs on AMX tiles here: the amx class, on a CPU with AMX-INT8, whose
+    kernels take AMX tiles for many rows (`cpu_build.amx()`: RINGSERVE_AMX=0 turns it off)."""
+    info = cpu_isa.info()
+    return (info.cls == "amx" and "amx_int8" in info.flags and cpu_build.amx()
+            and bool(ops().greedy_head_amx_supported()))
 
 
 class GreedyHead:
@@ -51,13 +71,18 @@ class GreedyHead:
 
     Args:
         head: the model's quantized output head.
+        amx: pass by AMX tiles over a copy at one scale a row; None: where `amx_pass()`.
     """
 
-    def __init__(self, head: QuantLinear) -> None:
+    def __init__(self, head: QuantLinear, amx: bool | None = None) -> None:
         self.head = head
         self.vocab, self.k = head.out_features, head.in_features
-        self.min_rows = min_rows()
-        self._pack(head.qw)
+        self.amx = amx_pass() if amx is None else amx
+        self.min_rows = min_rows(self.amx)
+        if self.amx:
+            self._pack_amx(head.qw)
+        else:
+            self._pack(head.qw)
 
     @staticmethod
     def can_serve(head: object, dtype: torch.dtype) -> str | None:
@@ -80,7 +105,8 @@ class GreedyHead:
         return None
 
     def nbytes(self) -> int:
-        return sum(int(t.numel() * t.element_size()) for t in (self.tiles, self.scales, self.norms))
+        held = (self.tiles, self.meta) if self.amx else (self.tiles, self.scales, self.norms)
+        return sum(int(t.numel() * t.element_size()) for t in held)
 
     def _pack(self, qw: QuantizedWeight) -> None:
         """The copy `greedy_head.cpp` reads: tiles [T, k * 16] uint8 of q + 128 in tiles of
@@ -105,11 +131,47 @@ class GreedyHead:
         self.norms = norms
         self.group = group
 
+    def _pack_amx(self, qw: QuantizedWeight) -> None:
+        """The copy the AMX pass reads: tiles [T, kp * 16] int8 (kp: k rounded up to 64, zeros
+        past k) of each row's values q_r at one scale s_r = max |w_r| / 127 a row, in tiles of
+        16 rows x 4 values (AMX-INT8's B operand, 16 rows of 64 bytes for 64 values); meta
+        [4, T * 16] float32: s_r, max(||w_r||, ||s_r q_r||), ||w_r - s_r q_r|| and
+        max |w_r - s_r q_r|, each norm rounded up; rho, the median of the last over the
+        median of the one before."""
+        n, k = self.vocab, self.k
+        kp, count = -(-k // 64) * 64, -(-n // TILE)
+        tiles = torch.zeros(count * TILE, kp, dtype=torch.int8)
+        meta = torch.zeros(4, count * TILE, dtype=torch.float32)
+        up = 1 + 1e-6
+        for lo in range(0, n, PACK_ROWS):
+            hi = min(n, lo + PACK_ROWS)
+            w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
+            top = w.abs().amax(dim=1)
+            scale = torch.where(top > 0, top / 127, torch.ones_like(top)).float()
+            q = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+            err = w - q * scale.double()[:, None]
+            tiles[lo:hi, :k] = q.to(torch.int8)
+            meta[0, lo:hi] = scale
+            meta[1, lo:hi] = (torch.maximum(w.norm(dim=1), (w - err).norm(dim=1)) * up).float()
+            meta[2, lo:hi] = (err.norm(dim=1) * up).float()
+            meta[3, lo:hi] = (err.abs().amax(dim=1) * up).float()
+        # each x row's O (greedy_head.cpp, pair_row) is chosen by the typical ratio
+        self.rho = float(meta[3, :n].median() / meta[2, :n].median().clamp(min=1e-30))
+        # [rows, kp] -> [T, kp / 4, 16, 4]
+        self.tiles = tiles.view(count, TILE, kp // 4, 4).permute(0, 2, 1, 3).contiguous() \
+            .view(count, kp * TILE)
+        self.meta = meta
+
     def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index int32, offsets int64 [m + 1]): the vocabulary rows that may hold each x
         row's maximum, ascending (`greedy_head.cpp`)."""
-        index, offsets = ops().greedy_head_candidates(x.contiguous(), self.tiles, self.scales,
-                                                      self.norms, self.group, self.vocab)
+        if self.amx:
+            index, offsets = ops().greedy_head_candidates_amx(x.contiguous(), self.tiles,
+                                                              self.meta, self.vocab, self.rho)
+        else:
+            index, offsets = ops().greedy_head_candidates(x.contiguous(), self.tiles,
+                                                          self.scales, self.norms, self.group,
+                                                          self.vocab)
         return index, offsets
 
     def pick(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -34,6 +34,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "ops.h"
 #include "thread_pool.h"
 
@@ -42,6 +43,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -144,19 +147,23 @@ struct Found {
   float floor = -std::numeric_limits<float>::infinity();  // what the list was last cut by
   size_t next = 64;  // cut again past this many
 
-  // Appends the tile's rows whose bit `keep` has (rows r0, r0 + 1, ...) with their upper
-  // bounds; past `next` entries, cuts the list by floor(), the lanes' largest lower bound.
-  // NOTE: that reduction happens only now and then, not every tile.
+  // Appends the tile's rows whose bit `keep` has (rows r0, r0 + 1, ...) and whose upper
+  // bounds reach floor_now(), the lanes' largest lower bound so far; past `next` entries,
+  // cuts the list by it.
+  // NOTE: the floor is brought up to date on every take (a reduction across the lanes), not
+  // only at a cut: with a stale floor a row whose logits climb through the vocabulary kept
+  // appending until the next cut (on AMX's looser bound, a pass took 30 ms instead of 20).
   template <typename Floor>
   void take(uint32_t keep, int64_t r0, const float* highs, Floor floor_now) {
+    floor = std::max(floor, floor_now());
     while (keep != 0) {
       const int i = __builtin_ctz(keep);
       keep &= keep - 1;
+      if (highs[i] < floor) continue;
       index.push_back(static_cast<int32_t>(r0 + i));
       high.push_back(highs[i]);
     }
     if (index.size() > next) {
-      floor = floor_now();
       compact();
       next = std::max(kCompact, 2 * index.size());
     }
@@ -468,6 +475,235 @@ void round_rows(const T* xp, int64_t m, int64_t k, int64_t group, std::vector<in
 }
 #endif
 
+#if defined(RINGSERVE_AMX) && defined(RINGSERVE_GREEDY_PASS)
+// The pass by AMX-INT8 (docs/cpu.md, "The greedy head on AMX"). AMX multiplies 16 rows by 16
+// vocabulary rows by 64 values an instruction (TDPBSSD, int32 sums), but scaling each weight
+// group's sums on their way out of the tile unit costs more than the multiply (as in
+// quant_gemm.cpp's AMX path). So AMX reads a copy of its own: each head row w_r as int8
+// values q_r at one scale s_r a row (w^_r = s_r q_r; GreedyHead._pack_amx), whose sums leave
+// the tiles once, after all of k. And x needs no outlier dims kept apart: each x row is two
+// rows of digits, x^ = a z + (a / 254) z' (z rounds x at one scale a row, z' what that
+// left; ||x - x^|| ~ 2^-16 of max |x| a value), both multiplied by AMX. The copy's own error
+// enters the bound instead: for any set O of x's dims,
+//
+//   w_r . x - w^_r . x^ = e_r . x + w^_r . (x - x^)                  (e_r = w_r - w^_r)
+//   |...| <= ||e_r|| ||x without O|| + max|e_r| sum_O |x_o| + ||w^_r|| ||x - x^||
+//
+// with O each x row's largest values, as many as make ||x without O|| + rho sum_O |x_o|
+// least (rho: the copy's typical max|e_r| / ||e_r||). Plus the room for the exact path's
+// own rounding (XRow::room, on max(||w_r||, ||w^_r||)) and this pass's float sums (2^-18
+// ||x|| on the same norm).
+struct RowHead {
+  const int8_t* tiles;  // [T, kp / 4, 16, 4]: q, kp = k rounded up to 64 (zeros past k)
+  const float* scale;   // [T * 16]: s_r
+  const float* norm;    // [T * 16]: max(||w_r||, ||w^_r||), rounded up
+  const float* err;     // [T * 16]: ||e_r||, rounded up
+  const float* maxerr;  // [T * 16]: max_d |e_rd|, rounded up
+  int64_t kp, vocab;
+};
+
+// One x row as AMX's two rows of digits, and what its bound needs.
+struct XPair {
+  float scale = 0.f;  // a: z's scale (z': a / 254)
+  float room = 0.f;   // ||x - x^|| and room for the float sums (XRow::room's terms), up
+  float rest = 0.f;   // ||x without O||, rounded up
+  float out1 = 0.f;   // sum_O |x_o|, rounded up
+};
+
+constexpr double kFine = 254.0;  // z's scale over z''s: |x - a z| <= a / 2 = 127 (a / 254)
+
+// x row `x` into digits z (to) and z' (to + kp) and its XPair.
+template <typename T>
+XPair pair_row(const T* x, int64_t k, int64_t kp, float rho, int8_t* to) {
+  XPair r;
+  std::vector<double> v(static_cast<size_t>(k)), mag(static_cast<size_t>(k));
+  double top = 0, norm2 = 0;
+  for (int64_t d = 0; d < k; ++d) {
+    v[d] = static_cast<double>(ringserve::to_f(x[d]));
+    mag[d] = std::abs(v[d]);
+    top = std::max(top, mag[d]);
+    norm2 += v[d] * v[d];
+  }
+  // NOTE: rounded with the float scales the kernel multiplies by, so that the error measured
+  // below is the one its sums carry.
+  const float a = static_cast<float>(top / 127.0), fine = static_cast<float>(a / kFine);
+  r.scale = a;
+  double err2 = 0;
+  for (int64_t d = 0; d < k; ++d) {
+    double z = 0, zf = 0;
+    if (a > 0) {
+      z = std::max(-127.0, std::min(127.0, std::nearbyint(v[d] / a)));
+      zf = std::max(-127.0, std::min(127.0, std::nearbyint((v[d] - z * a) / fine)));
+    }
+    to[d] = static_cast<int8_t>(z);
+    to[kp + d] = static_cast<int8_t>(zf);
+    const double e = v[d] - z * static_cast<double>(a) - zf * static_cast<double>(fine);
+    err2 += e * e;
+  }
+  // O: the j largest |x_d| for the j (up to 64) that makes ||x without O|| + rho sum_O least
+  std::sort(mag.begin(), mag.end(), std::greater<double>());
+  double rest2 = norm2, out1 = 0, best = std::sqrt(norm2), best_rest = best, best_out = 0;
+  for (int64_t j = 0; j < std::min<int64_t>(64, k); ++j) {
+    rest2 = std::max(0.0, rest2 - mag[j] * mag[j]);
+    out1 += mag[j];
+    const double cost = std::sqrt(rest2) + rho * out1;
+    if (cost < best) {
+      best = cost;
+      best_rest = std::sqrt(rest2);
+      best_out = out1;
+    }
+  }
+  const double norm = std::sqrt(norm2);
+  r.rest = static_cast<float>(best_rest * (1 + 1e-6) + 1e-30);
+  r.out1 = static_cast<float>(best_out * (1 + 1e-6));
+  r.room = static_cast<float>((std::sqrt(err2) * (1 + 0x1p-8) + 0x1p-12 * norm +
+                               0x1p-15 * std::sqrt(static_cast<double>(k)) * top +
+                               0x1p-18 * norm) * (1 + 1e-6));
+  return r;
+}
+
+// tmm0-3: sums of digit block i (16 digit rows: 8 x rows) by vocabulary tile j as
+// tmm(2 i + j); tmm4 / tmm5: the two digit blocks' 64 values; tmm6 / tmm7: the two
+// vocabulary tiles' 64 values.
+ringserve::TileConfig row_config() {
+  ringserve::TileConfig c;
+  for (int i = 0; i < 8; ++i) c.set(i, 16, 64);
+  return c;
+}
+
+// The int32 sums of up to two 16-row digit blocks (xd, rows kp bytes apart) by up to two
+// vocabulary tiles (w0, w1), stored as sums[2 i + j][16 digit rows][16 vocabulary rows].
+template <bool TWO_X, bool TWO_W>
+__attribute__((target("amx-tile,amx-int8"))) void row_sums(const int8_t* xd, const int8_t* w0,
+                                                           const int8_t* w1, int64_t kp,
+                                                           int32_t (*sums)[256]) {
+  _tile_zero(0);
+  if constexpr (TWO_W) _tile_zero(1);
+  if constexpr (TWO_X) _tile_zero(2);
+  if constexpr (TWO_X && TWO_W) _tile_zero(3);
+  for (int64_t c = 0; c < kp; c += 64) {
+    _tile_loadd(4, xd + c, kp);
+    _tile_loadd(6, w0 + c * 16, 64);
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (TWO_W) {
+      _tile_loadd(7, w1 + c * 16, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if constexpr (TWO_X) {
+      _tile_loadd(5, xd + 16 * kp + c, kp);
+      _tile_dpbssd(2, 5, 6);
+      if constexpr (TWO_W) _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  if constexpr (TWO_W) _tile_stored(1, sums[1], 64);
+  if constexpr (TWO_X) _tile_stored(2, sums[2], 64);
+  if constexpr (TWO_X && TWO_W) _tile_stored(3, sums[3], 64);
+}
+
+// Bounds and candidates of vocabulary tile t for x rows [m0, m0 + mr) (mr <= 8), from their
+// digit rows' sums (sums[(2 i + u) * 16 + r]: z (u = 0) or z' (u = 1) of x row m0 + i by
+// vocabulary row 16 t + r).
+void row_bounds(const RowHead& h, int64_t t, const int32_t* sums, int64_t m0, int64_t mr,
+                const std::vector<XPair>& xs, std::vector<Found>& found, __m512* lanes) {
+  const int64_t r0 = t * kRows;
+  const __mmask16 valid = h.vocab - r0 >= kRows
+                              ? static_cast<__mmask16>(0xFFFF)
+                              : static_cast<__mmask16>((1u << (h.vocab - r0)) - 1);
+  const __m512 s = _mm512_loadu_ps(h.scale + r0), n = _mm512_loadu_ps(h.norm + r0),
+               e = _mm512_loadu_ps(h.err + r0), me = _mm512_loadu_ps(h.maxerr + r0);
+  for (int64_t i = 0; i < mr; ++i) {
+    const XPair& x = xs[m0 + i];
+    const __m512 coarse = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 2 * i * kRows));
+    const __m512 fine = _mm512_cvtepi32_ps(_mm512_load_si512(sums + (2 * i + 1) * kRows));
+    const float a1 = x.scale, a2 = static_cast<float>(x.scale / kFine);
+    const __m512 a = _mm512_mul_ps(
+        s, _mm512_fmadd_ps(coarse, _mm512_set1_ps(a1), _mm512_mul_ps(fine, _mm512_set1_ps(a2))));
+    const __m512 b0 = _mm512_fmadd_ps(
+        n, _mm512_set1_ps(x.room),
+        _mm512_fmadd_ps(e, _mm512_set1_ps(x.rest), _mm512_mul_ps(me, _mm512_set1_ps(x.out1))));
+    // widened for the bf16 the exact logits are rounded to, as tile_rows
+    const __m512 b = _mm512_fmadd_ps(
+        b0, _mm512_set1_ps(1 + 0x1p-8f),
+        _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-8f), _mm512_set1_ps(1e-4f)));
+    __m512& lane = lanes[m0 + i];
+    lane = _mm512_mask_max_ps(lane, valid, lane, _mm512_sub_ps(a, b));
+    const __m512 high = _mm512_add_ps(a, b);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, high,
+                                                   _mm512_set1_ps(found[m0 + i].floor), _CMP_GE_OQ);
+    if (keep == 0) continue;
+    alignas(64) float hs[kRows];
+    _mm512_store_ps(hs, high);
+    found[m0 + i].take(keep, r0, hs, [&] { return lane_max(lane); });
+  }
+}
+
+// One chunk of vocabulary tiles [t0, t1) against every x row (xd: [2 m rounded up to 16][kp]
+// digits): two tiles and two digit blocks (16 x rows) a turn, from the tile registers.
+void row_chunk(const RowHead& h, int64_t t0, int64_t t1, const int8_t* xd, int64_t m,
+               const std::vector<XPair>& xs, std::vector<Found>& found, __m512* lanes) {
+  const int64_t kp = h.kp, dp = (2 * m + 15) / 16 * 16;
+  alignas(64) int32_t sums[4][256];
+  for (int64_t t = t0; t < t1; t += 2) {
+    const bool two_w = t + 1 < t1;
+    const int8_t* w0 = h.tiles + t * kp * kRows;
+    const int8_t* w1 = w0 + kp * kRows;
+    // NOTE: no software prefetch: the next tiles' lines asked for into L2 a pair or more
+    // ahead measured within the noise (a 32-row pass 13.7-15.8 ms against 14.6-15.6).
+    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
+      const bool two_x = dp - d0 > 16;
+      const int8_t* x0 = xd + d0 * kp;
+      if (two_x && two_w) row_sums<true, true>(x0, w0, w1, kp, sums);
+      else if (two_x) row_sums<true, false>(x0, w0, w1, kp, sums);
+      else if (two_w) row_sums<false, true>(x0, w0, w1, kp, sums);
+      else row_sums<false, false>(x0, w0, w1, kp, sums);
+      for (int i = 0; i < (two_x ? 2 : 1); ++i) {
+        const int64_t b0 = d0 / 2 + 8 * i, mr = std::min<int64_t>(8, m - b0);
+        if (mr <= 0) break;
+        for (int j = 0; j < (two_w ? 2 : 1); ++j)
+          row_bounds(h, t + j, sums[2 * i + j], b0, mr, xs, found, lanes);
+      }
+    }
+  }
+}
+
+// x's rows as AMX digit rows ([2 m rounded up to 16][kp], zeros past them) and XPairs.
+template <typename T>
+std::vector<XPair> pair_rows(const T* xp, int64_t m, int64_t k, int64_t kp, float rho,
+                             std::vector<int8_t>& xd) {
+  xd.assign(static_cast<size_t>((2 * m + 15) / 16 * 16 * kp), 0);
+  std::vector<XPair> xs;
+  xs.reserve(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) xs.push_back(pair_row(xp + i * k, k, kp, rho, xd.data() + 2 * i * kp));
+  return xs;
+}
+#endif
+
+#if defined(RINGSERVE_GREEDY_PASS)
+// The chunks' lists as (index int32 [c], offsets int64 [m + 1]): each x row's candidates,
+// ascending, cut by the row's largest lower bound over all chunks.
+std::vector<at::Tensor> merged(const std::vector<std::vector<Found>>& parts, int64_t m,
+                               const at::Tensor& x) {
+  auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
+  int64_t* op = offsets.data_ptr<int64_t>();
+  std::vector<int32_t> all;
+  op[0] = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    float floor = -std::numeric_limits<float>::infinity();
+    for (const auto& part : parts) floor = std::max(floor, part[i].floor);
+    for (const auto& part : parts) {
+      const Found& f = part[i];
+      for (size_t j = 0; j < f.index.size(); ++j)
+        if (f.high[j] >= floor) all.push_back(f.index[j]);
+    }
+    op[i + 1] = static_cast<int64_t>(all.size());
+  }
+  auto index = at::empty({static_cast<int64_t>(all.size())}, x.options().dtype(at::kInt));
+  std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
+  return {index, offsets};
+}
+#endif
+
 // x: [m, k] bf16 or float32; tiles: [T, k * 16] uint8 (T = ceil(vocab / 16)); scales: [T, groups * 16]
 // float32; norms: [T * 16] float32 (||w_r||, rounded up). Returns (index int32 [c], offsets
 // int64 [m + 1]): x row i's candidates, ascending, are index[offsets[i]:offsets[i+1]].
@@ -530,26 +766,71 @@ std::vector<at::Tensor> greedy_head_candidates(const at::Tensor& x, const at::Te
         parts[c][i].floor = std::max(parts[c][i].floor, lane_max(lanes[i]));
     }
   });
-  auto offsets = at::empty({m + 1}, x.options().dtype(at::kLong));
-  int64_t* op = offsets.data_ptr<int64_t>();
-  std::vector<int32_t> all;
-  op[0] = 0;
-  for (int64_t i = 0; i < m; ++i) {
-    float floor = -std::numeric_limits<float>::infinity();
-    for (const auto& part : parts) floor = std::max(floor, part[i].floor);
-    for (auto& part : parts) {
-      const Found& f = part[i];
-      for (size_t j = 0; j < f.index.size(); ++j)
-        if (f.high[j] >= floor) all.push_back(f.index[j]);
-    }
-    op[i + 1] = static_cast<int64_t>(all.size());
-  }
-  auto index = at::empty({static_cast<int64_t>(all.size())}, x.options().dtype(at::kInt));
-  std::copy(all.begin(), all.end(), index.data_ptr<int32_t>());
-  return {index, offsets};
+  return merged(parts, m, x);
 #else
   (void)m;  // the portable build has no pass
   TORCH_CHECK(false, "greedy_head_candidates: this build has neither AVX512-VNNI nor AVX2");
+#endif
+}
+
+// The AMX pass: x [m, k] bf16 or float32; tiles int8 [T, kp * 16] (kp: k rounded up to 64);
+// meta float32 [4, T * 16]: RowHead's scale, norm, err and maxerr; rho: the copy's typical
+// max|e_r| / ||e_r|| (chooses each x row's O; any value gives a bound). Returns as
+// greedy_head_candidates.
+std::vector<at::Tensor> greedy_head_candidates_amx(const at::Tensor& x, const at::Tensor& tiles,
+                                                   const at::Tensor& meta, int64_t vocab,
+                                                   double rho) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "greedy_head_candidates_amx: x must be contiguous bf16 or float32 [m, k]");
+  const int64_t m = x.size(0), k = x.size(1), count = (vocab + kRows - 1) / kRows,
+                kp = (k + 63) / 64 * 64;
+  TORCH_CHECK(k % 4 == 0, "greedy_head_candidates_amx: k must be a multiple of 4");
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.is_contiguous() && tiles.dim() == 2 &&
+                  tiles.size(0) == count && tiles.size(1) == kp * kRows,
+              "greedy_head_candidates_amx: tiles must be int8 [ceil(vocab / 16), kp * 16]");
+  TORCH_CHECK(meta.scalar_type() == at::kFloat && meta.is_contiguous() &&
+                  meta.numel() == 4 * count * kRows,
+              "greedy_head_candidates_amx: meta must be float32 [4, tiles * 16]");
+  TORCH_CHECK(vocab < std::numeric_limits<int32_t>::max(),
+              "greedy_head_candidates_amx: vocab too large");
+#if defined(RINGSERVE_AMX) && defined(RINGSERVE_GREEDY_PASS)
+  TORCH_CHECK(ringserve::amx_granted(),
+              "greedy_head_candidates_amx: this process has no AMX tile state (use_amx)");
+  std::vector<int8_t> xd;
+  const std::vector<XPair> xs =
+      x.scalar_type() == at::kFloat
+          ? pair_rows(x.data_ptr<float>(), m, k, kp, static_cast<float>(rho), xd)
+          : pair_rows(x.data_ptr<c10::BFloat16>(), m, k, kp, static_cast<float>(rho), xd);
+  const float* mp_ = meta.data_ptr<float>();
+  const RowHead h{tiles.data_ptr<int8_t>(), mp_, mp_ + count * kRows, mp_ + 2 * count * kRows,
+                  mp_ + 3 * count * kRows, kp, vocab};
+  const int64_t chunks = std::min(kChunks, count);
+  std::vector<std::vector<Found>> parts(static_cast<size_t>(chunks),
+                                        std::vector<Found>(static_cast<size_t>(m)));
+  ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const ringserve::AmxScope tiles_on(row_config());
+    std::vector<Lane> lanes(static_cast<size_t>(m));
+    for (int64_t c = c0; c < c1; ++c) {
+      std::fill(lanes.begin(), lanes.end(), lane_init());
+      row_chunk(h, count * c / chunks, count * (c + 1) / chunks, xd.data(), m, xs, parts[c],
+                lanes.data());
+      for (int64_t i = 0; i < m; ++i)
+        parts[c][i].floor = std::max(parts[c][i].floor, lane_max(lanes[i]));
+    }
+  });
+  return merged(parts, m, x);
+#else
+  (void)m;
+  TORCH_CHECK(false, "greedy_head_candidates_amx: this build has no AMX");
+#endif
+}
+
+bool greedy_head_amx_supported() {
+#if defined(RINGSERVE_AMX) && defined(RINGSERVE_GREEDY_PASS)
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -567,6 +848,12 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("greedy_head_candidates(Tensor x, Tensor tiles, Tensor scales, Tensor norms, int group, "
         "int vocab) -> Tensor[]");
   m.def("greedy_head_supported() -> bool", &greedy_head_supported);
+  m.def("greedy_head_candidates_amx(Tensor x, Tensor tiles, Tensor meta, int vocab, float rho) -> "
+        "Tensor[]");
+  m.def("greedy_head_amx_supported() -> bool", &greedy_head_amx_supported);
 }
 
-RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("greedy_head_candidates", &greedy_head_candidates); }
+RINGSERVE_IMPL(RINGSERVE_NS, m) {
+  m.impl("greedy_head_candidates", &greedy_head_candidates);
+  m.impl("greedy_head_candidates_amx", &greedy_head_candidates_amx);
+}

@@ -38,14 +38,8 @@
 #include <immintrin.h>
 #endif
 
-// AMX tiles for the many-row path, where the CPU has them: x86-64 builds with AVX512-BF16
-// (the amx class runs that variant), not the software AVX-512 of the tests.
-#if defined(__AVX512BF16__) && defined(__x86_64__) && !defined(RINGSERVE_EMULATE_AVX512)
-#define RINGSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <atomic>
-#endif
+// AMX tiles for the many-row path, where the CPU has them (amx.h: RINGSERVE_AMX).
+#include "amx.h"
 
 namespace {
 
@@ -433,35 +427,18 @@ void tile_passes(const uint16_t* x, int64_t rows, const float* xsum, const c10::
 // instructions' description matched its bits), so these sums agree with tile_rows' to
 // float32 rounding, not bit for bit; both paths of one linear (run_tiles and
 // quant_linear_tiles) take it, and agree with each other bit for bit.
-std::atomic<bool> g_amx{false};
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Two sets, so that one group's multiply runs while the last one's sums are scaled: tmm0 /
 // tmm3 a group's sums, 16 x rows by 16 outputs (float32); tmm1 / tmm4 16 x rows by `pairs`
 // pairs of k; tmm2 / tmm5 `pairs` pairs by 16 outputs of the tile.
-__attribute__((target("amx-tile,amx-bf16"))) void amx_begin(int64_t pairs) {
-  TileConfig c;
+ringserve::TileConfig amx_config(int64_t pairs) {
+  ringserve::TileConfig c;
   for (int i : {0, 3}) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-    c.rows[i + 1] = 16;
-    c.colsb[i + 1] = static_cast<uint16_t>(pairs * 4);
-    c.rows[i + 2] = static_cast<uint8_t>(pairs);
-    c.colsb[i + 2] = 64;
+    c.set(i, 16, 64);
+    c.set(i + 1, 16, static_cast<int>(pairs * 4));
+    c.set(i + 2, static_cast<int>(pairs), 64);
   }
-  // NOTE: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so
-  // without this barrier the other 56 were never written (ldtilecfg then faulted).
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  return c;
 }
-
-__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
 
 // Pairs of k a TDPBF16PS takes for this group size (a tile holds 16 rows of 64 bytes).
 inline int64_t amx_pairs(int64_t group) { return std::min<int64_t>(group / 2, 16); }
@@ -510,7 +487,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_half(
 #undef RINGSERVE_AMX_GROUP
 
 // tile_passes by AMX: x has a multiple of 16 rows readable (amx_rows), `rows` of them real.
-// The caller has run amx_begin(amx_pairs(group)) on this thread.
+// The caller has configured this thread's tiles (amx_config(amx_pairs(group))).
 template <int BITS>
 void amx_tile_passes(const uint16_t* x, int64_t rows, const float* xsum,
                      const c10::BFloat16* bias, int64_t t, int64_t k, int64_t group, int64_t n,
@@ -552,7 +529,6 @@ const uint16_t* amx_rows(const uint16_t* x, int64_t rows, int64_t k, std::vector
   return pad.data();
 }
 
-bool amx_on() { return g_amx.load(std::memory_order_relaxed); }
 #endif  // RINGSERVE_AMX
 
 template <int BITS>
@@ -562,12 +538,13 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
   const int64_t kp = k / 2, groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
 #if defined(RINGSERVE_AMX)
   std::vector<uint16_t> pad;
-  const bool amx = amx_on();
+  const bool amx = ringserve::amx_wanted();
   const uint16_t* xa = amx ? amx_rows(x, rows, k, pad) : x;
 #endif
   ringserve::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
 #if defined(RINGSERVE_AMX)
-    if (amx) amx_begin(amx_pairs(group));
+    std::optional<ringserve::AmxScope> tiles_on;
+    if (amx) tiles_on.emplace(amx_config(amx_pairs(group)));
 #endif
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
     std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
@@ -593,9 +570,6 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
       tile_passes<BITS>(x, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
                         mnt.data(), out);
     }
-#if defined(RINGSERVE_AMX)
-    if (amx) amx_end();
-#endif
   });
 }
 #endif  // __AVX512BF16__
@@ -743,12 +717,13 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
   const float* mp = bits == 4 ? mins.data_ptr<float>() : nullptr;
 #if defined(RINGSERVE_AMX)
   std::vector<uint16_t> pad;
-  const bool amx = amx_on();
+  const bool amx = ringserve::amx_wanted();
   const uint16_t* xa = amx ? amx_rows(xp, rows, k, pad) : xp;
 #endif
   ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
 #if defined(RINGSERVE_AMX)
-    if (amx) amx_begin(amx_pairs(group));
+    std::optional<ringserve::AmxScope> tiles_on;
+    if (amx) tiles_on.emplace(amx_config(amx_pairs(group)));
 #endif
     for (int64_t t = t0; t < t1; ++t) {
       const uint32_t* tile = tp + t * (k / 2) * kTile;
@@ -776,9 +751,6 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
         tile_passes<4>(xp, rows, xsum, prep.bp, t, k, group, n, tile, sct,
                        mp + t * groups * kTile, prep.op);
     }
-#if defined(RINGSERVE_AMX)
-    if (amx) amx_end();
-#endif
   });
   return prep.out;
 #else
@@ -791,9 +763,8 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
 // kernel without AMX refuses. Returns whether AMX is now in use.
 bool use_amx(bool on) {
 #if defined(RINGSERVE_AMX)
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  const bool ok = on && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  g_amx.store(ok);
+  const bool ok = on && ringserve::amx_request();
+  ringserve::amx_wanted_flag().store(ok);
   return ok;
 #else
   (void)on;
