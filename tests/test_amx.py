@@ -79,3 +79,26 @@ def test_amx_bias_partial_tile_and_dpbf16(amx: object, kind: str, group: int) ->
     cpu_build.set_amx(True, "avx512_bf16")
     torch.testing.assert_close(out, plain, rtol=2**-7, atol=1e-3)
     assert float((out == plain).float().mean()) > 0.99
+
+
+@needs_amx
+@pytest.mark.parametrize(("kind", "group"), [("int8", 32), ("int4", 32)])
+def test_amx_panels_and_row_blocks(amx: object, kind: str, group: int) -> None:
+    """Prefill-sized calls: each thread's tiles in more than one panel (k 2048: 8 tiles a
+    panel, 19 tiles in all, the last partly past n) and x in several blocks of rows, the
+    last partial and not a multiple of 16; against float64, both paths bit for bit alike,
+    and one x row alone gives the row it gives among the others."""
+    torch.manual_seed(11)
+    qw = make(kind, group, torch.randn(600, 2048) * 0.05)
+    bias = torch.randn(600).to(torch.bfloat16)
+    tiles = cpu_quant.quant_tiles(qw, variant="avx512_bf16")
+    x = torch.randn(150, 2048).to(torch.bfloat16)
+    out = cpu_quant.quant_linear(x, qw, bias, tile_rows=12, variant="avx512_bf16")
+    assert_matches_reference(out, x, qw, bias)
+    assert torch.equal(out, cpu_quant.quant_linear_tiles(x, tiles, qw, bias,
+                                                         variant="avx512_bf16"))
+    for row in (0, 77, 149):  # in a call of 16 rows (the many-row path), at another place
+        lo = max(0, row - 15)
+        part = cpu_quant.quant_linear(x[lo : lo + 16], qw, bias, tile_rows=12,
+                                      variant="avx512_bf16")
+        assert torch.equal(part[row - lo], out[row])

@@ -486,39 +486,52 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_half(
 }
 #undef RINGSERVE_AMX_GROUP
 
-// tile_passes by AMX: x has a multiple of 16 rows readable (amx_rows), `rows` of them real.
-// The caller has configured this thread's tiles (amx_config(amx_pairs(group))).
+// tile_passes by AMX for x rows [m_begin, m_end) (m_begin a multiple of 16): x has a
+// multiple of 16 rows readable (amx_rows). The caller has configured this thread's tiles
+// (amx_config(amx_pairs(group))).
 template <int BITS>
-void amx_tile_passes(const uint16_t* x, int64_t rows, const float* xsum,
+void amx_tile_passes(const uint16_t* x, int64_t m_begin, int64_t m_end, const float* xsum,
                      const c10::BFloat16* bias, int64_t t, int64_t k, int64_t group, int64_t n,
                      const uint32_t* tile, const float* sct, const float* mnt,
                      c10::BFloat16* out) {
   const int64_t groups = k / group, r0 = t * kTile, valid = std::min(kTile, n - r0);
+  __mmask16 masks[2];
+  __m512 bv[2];
   for (int h = 0; h < 2; ++h) {
-    const int64_t left = valid - h * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      alignas(64) float bv[16] = {};
-      for (int i = 0; i < 16 && i < left; ++i) bv[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
-      b = _mm512_load_ps(bv);
-    }
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    const int64_t left = std::max<int64_t>(0, valid - h * 16);
+    masks[h] = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    alignas(64) float b[16] = {};
+    for (int i = 0; i < 16 && i < left && bias != nullptr; ++i)
+      b[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
+    bv[h] = _mm512_load_ps(b);
+  }
+  // NOTE: both halves of the tile for one block of 16 x rows in turn, so that the block's
+  // rows are read from L1 the second time.
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+    const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
+    const int64_t mr = std::min<int64_t>(16, m_end - m0);
+    for (int h = 0; h < 2; ++h) {
+      if (masks[h] == 0) break;
       __m512 acc[16];
-      const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
-      const int64_t mr = std::min<int64_t>(16, rows - m0);
       ringserve::with_rows<16>(mr, [&](auto r) {
         amx_half<decltype(r)::value, BITS>(x + m0 * k, k, group, tile, sct, mnt, xs, groups, h,
                                            acc);
       });
       for (int64_t m = 0; m < mr; ++m) {
-        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
-        _mm256_mask_storeu_epi16(out + (m0 + m) * n + r0 + h * 16, mask, v);
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv[h]));
+        _mm256_mask_storeu_epi16(out + (m0 + m) * n + r0 + h * 16, masks[h], v);
       }
     }
   }
 }
+
+// The AMX path's blocking: tiles a panel (~1 MiB of widened weights, kept in L2 while a
+// block of x rows is multiplied by each of its tiles in turn) and x rows a block. Without
+// it every tile streamed all of x from L3 (2.6 MB for a prefill chunk of 2048 rows).
+constexpr int64_t kPanelBytes = 1 << 20;
+constexpr int64_t kRowBlock = 64;
+
+inline int64_t amx_panel(int64_t k) { return std::max<int64_t>(1, kPanelBytes / (kTile * k * 2)); }
 
 // x with its rows padded with zeros to a multiple of 16, where they are not one already
 // (AMX loads 16 rows a tile): the rows to read, and the copy that holds them (if any).
@@ -536,37 +549,55 @@ void run_tiles(const uint16_t* x, int64_t rows, const uint8_t* qw, const c10::Ha
                const c10::Half* mins, const float* xsum, const c10::BFloat16* bias, int64_t k,
                int64_t group, int64_t n, c10::BFloat16* out) {
   const int64_t kp = k / 2, groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
+  // NOTE: the next tile's weight rows into L2 while this one is widened and multiplied:
+  // 32 rows read side by side are more streams than the hardware prefetcher follows, and
+  // without this a head of 262144 rows (read from memory, not cache) took 1.2-1.3x as long
+  // at 16-32 x rows (benchmarks/quant_linear_bench.py, Zen 4).
+  auto prefetch_next = [&](int64_t t, int64_t t1) {
+    if (t + 1 >= t1) return;
+    const int64_t r0 = t * kTile;
+    const auto* next = reinterpret_cast<const char*>(qw + (r0 + kTile) * row_bytes);
+    const int64_t bytes = std::min(kTile, n - r0 - kTile) * row_bytes;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+  };
+  const int64_t count = (n + kTile - 1) / kTile;
 #if defined(RINGSERVE_AMX)
-  std::vector<uint16_t> pad;
-  const bool amx = ringserve::amx_wanted();
-  const uint16_t* xa = amx ? amx_rows(x, rows, k, pad) : x;
+  if (ringserve::amx_wanted()) {  // panels of tiles widened, then blocks of x rows
+    std::vector<uint16_t> pad;
+    const uint16_t* xa = amx_rows(x, rows, k, pad);
+    const int64_t panel = amx_panel(k);
+    ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+      const ringserve::AmxScope tiles_on(amx_config(amx_pairs(group)));
+      const int64_t held = std::min(panel, t1 - t0);
+      std::vector<uint32_t> tiles(static_cast<size_t>(held * kTile * kp));
+      std::vector<float> sct(static_cast<size_t>(held * kTile * groups)), mnt(sct.size());
+      for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+        const int64_t p1 = std::min(t1, p0 + panel);
+        for (int64_t t = p0; t < p1; ++t) {
+          prefetch_next(t, t1);
+          const int64_t i = t - p0;
+          widen_tile<BITS>(qw, scales, mins, t, k, group, n, tiles.data() + i * kTile * kp,
+                           sct.data() + i * kTile * groups, mnt.data() + i * kTile * groups);
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
+          for (int64_t t = p0; t < p1; ++t) {
+            const int64_t i = t - p0;
+            amx_tile_passes<BITS>(xa, m0, std::min(rows, m0 + kRowBlock), xsum, bias, t, k,
+                                  group, n, tiles.data() + i * kTile * kp,
+                                  sct.data() + i * kTile * groups,
+                                  mnt.data() + i * kTile * groups, out);
+          }
+      }
+    });
+    return;
+  }
 #endif
-  ringserve::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
-#if defined(RINGSERVE_AMX)
-    std::optional<ringserve::AmxScope> tiles_on;
-    if (amx) tiles_on.emplace(amx_config(amx_pairs(group)));
-#endif
+  ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint32_t> tile(static_cast<size_t>(kTile * kp));
     std::vector<float> sct(static_cast<size_t>(kTile * groups)), mnt(sct.size());
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = t * kTile;
-      // NOTE: the next tile's weight rows into L2 while this one is widened and multiplied:
-      // 32 rows read side by side are more streams than the hardware prefetcher follows, and
-      // without this a head of 262144 rows (read from memory, not cache) took 1.2-1.3x as
-      // long at 16-32 x rows (benchmarks/quant_linear_bench.py, Zen 4).
-      if (t + 1 < t1) {
-        const auto* next = reinterpret_cast<const char*>(qw + (r0 + kTile) * row_bytes);
-        const int64_t bytes = std::min(kTile, n - r0 - kTile) * row_bytes;
-        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-      }
+      prefetch_next(t, t1);
       widen_tile<BITS>(qw, scales, mins, t, k, group, n, tile.data(), sct.data(), mnt.data());
-#if defined(RINGSERVE_AMX)
-      if (amx) {
-        amx_tile_passes<BITS>(xa, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
-                              mnt.data(), out);
-        continue;
-      }
-#endif
       tile_passes<BITS>(x, rows, xsum, bias, t, k, group, n, tile.data(), sct.data(),
                         mnt.data(), out);
     }
@@ -716,35 +747,43 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
   const float* sp = scales.data_ptr<float>();
   const float* mp = bits == 4 ? mins.data_ptr<float>() : nullptr;
 #if defined(RINGSERVE_AMX)
-  std::vector<uint16_t> pad;
-  const bool amx = ringserve::amx_wanted();
-  const uint16_t* xa = amx ? amx_rows(xp, rows, k, pad) : xp;
+  if (ringserve::amx_wanted()) {  // panels of tiles (read from the copy), then blocks of x rows
+    std::vector<uint16_t> pad;
+    const uint16_t* xa = amx_rows(xp, rows, k, pad);
+    const int64_t panel = amx_panel(k);
+    ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+      const ringserve::AmxScope tiles_on(amx_config(amx_pairs(group)));
+      for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+        const int64_t p1 = std::min(t1, p0 + panel);
+        for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
+          for (int64_t t = p0; t < p1; ++t) {
+            const uint32_t* tile = tp + t * (k / 2) * kTile;
+            const float* sct = sp + t * groups * kTile;
+            // NOTE: on the panel's first pass, the next tile into L2 while this one is
+            // multiplied: AMX takes a tile faster than the hardware prefetcher brings the
+            // next from memory.
+            if (m0 == 0 && t + 1 < t1) {
+              const auto* next = reinterpret_cast<const char*>(tile + (k / 2) * kTile);
+              for (int64_t off = 0; off < k * 2 * kTile; off += 64)
+                _mm_prefetch(next + off, _MM_HINT_T1);
+            }
+            const int64_t m1 = std::min(rows, m0 + kRowBlock);
+            if (bits == 8)
+              amx_tile_passes<8>(xa, m0, m1, nullptr, prep.bp, t, k, group, n, tile, sct,
+                                 nullptr, prep.op);
+            else
+              amx_tile_passes<4>(xa, m0, m1, xsum, prep.bp, t, k, group, n, tile, sct,
+                                 mp + t * groups * kTile, prep.op);
+          }
+      }
+    });
+    return prep.out;
+  }
 #endif
   ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
-#if defined(RINGSERVE_AMX)
-    std::optional<ringserve::AmxScope> tiles_on;
-    if (amx) tiles_on.emplace(amx_config(amx_pairs(group)));
-#endif
     for (int64_t t = t0; t < t1; ++t) {
       const uint32_t* tile = tp + t * (k / 2) * kTile;
       const float* sct = sp + t * groups * kTile;
-#if defined(RINGSERVE_AMX)
-      if (amx) {
-        // NOTE: the next tile into L2 while this one is multiplied: AMX takes a tile faster
-        // than the hardware prefetcher brings the next from memory.
-        if (t + 1 < t1) {
-          const auto* next = reinterpret_cast<const char*>(tile + (k / 2) * kTile);
-          for (int64_t off = 0; off < k * 2 * kTile; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-        }
-        if (bits == 8)
-          amx_tile_passes<8>(xa, rows, nullptr, prep.bp, t, k, group, n, tile, sct, nullptr,
-                             prep.op);
-        else
-          amx_tile_passes<4>(xa, rows, xsum, prep.bp, t, k, group, n, tile, sct,
-                             mp + t * groups * kTile, prep.op);
-        continue;
-      }
-#endif
       if (bits == 8)
         tile_passes<8>(xp, rows, nullptr, prep.bp, t, k, group, n, tile, sct, nullptr, prep.op);
       else
