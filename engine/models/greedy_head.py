@@ -28,6 +28,7 @@ from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
+from ringserve.kernels.hugepages import huge_copy
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
@@ -124,7 +125,7 @@ class GreedyHead:
             w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
             norms[lo:hi] = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
         # [rows, k] -> [T, k / 4, 16, 4]; [rows, groups] -> [T, groups, 16]
-        self.tiles = tiles.view(count, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous() \
+        self.tiles = huge_copy(tiles.view(count, TILE, k // 4, 4).permute(0, 2, 1, 3)) \
             .view(count, k * TILE)
         self.scales = scales.view(count, TILE, k // group).permute(0, 2, 1).contiguous() \
             .view(count, -1)
@@ -158,7 +159,7 @@ class GreedyHead:
         # each x row's O (greedy_head.cpp, pair_row) is chosen by the typical ratio
         self.rho = float(meta[3, :n].median() / meta[2, :n].median().clamp(min=1e-30))
         # [rows, kp] -> [T, kp / 4, 16, 4]
-        self.tiles = tiles.view(count, TILE, kp // 4, 4).permute(0, 2, 1, 3).contiguous() \
+        self.tiles = huge_copy(tiles.view(count, TILE, kp // 4, 4).permute(0, 2, 1, 3)) \
             .view(count, kp * TILE)
         self.meta = meta
 

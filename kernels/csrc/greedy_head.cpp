@@ -562,6 +562,13 @@ XPair pair_row(const T* x, int64_t k, int64_t kp, float rho, int8_t* to) {
   return r;
 }
 
+// NOTE: the tiles kAhead tiles on are asked for into L2 while these are multiplied, 2 KiB
+// a step of k: AMX's tile loads wait for their lines (and AMX's tile registers are not
+// renamed, so no load runs ahead of the multiply before it), and the L2 streamer stops at
+// every 4 KiB page. With the copy on 2 MiB pages (kernels/hugepages.py) a 32-row pass took
+// 12.0-12.4 ms against 12.7-13.2 without this and 13.4-13.7 on 4 KiB pages (AMX machine).
+constexpr int64_t kAhead = 4;
+
 // tmm0-3: sums of digit block i (16 digit rows: 8 x rows) by vocabulary tile j as
 // tmm(2 i + j); tmm4 / tmm5: the two digit blocks' 64 values; tmm6 / tmm7: the two
 // vocabulary tiles' 64 values.
@@ -576,12 +583,14 @@ ringserve::TileConfig row_config() {
 template <bool TWO_X, bool TWO_W>
 __attribute__((target("amx-tile,amx-int8"))) void row_sums(const int8_t* xd, const int8_t* w0,
                                                            const int8_t* w1, int64_t kp,
-                                                           int32_t (*sums)[256]) {
+                                                           const char* ahead, int32_t (*sums)[256]) {
   _tile_zero(0);
   if constexpr (TWO_W) _tile_zero(1);
   if constexpr (TWO_X) _tile_zero(2);
   if constexpr (TWO_X && TWO_W) _tile_zero(3);
   for (int64_t c = 0; c < kp; c += 64) {
+    if (ahead != nullptr)  // 2 KiB of the tiles ahead (16 x 64 values of each of two tiles)
+      for (int64_t off = 0; off < 2048; off += 64) _mm_prefetch(ahead + 2 * c * 16 + off, _MM_HINT_T1);
     _tile_loadd(4, xd + c, kp);
     _tile_loadd(6, w0 + c * 16, 64);
     _tile_dpbssd(0, 4, 6);
@@ -648,15 +657,15 @@ void row_chunk(const RowHead& h, int64_t t0, int64_t t1, const int8_t* xd, int64
     const bool two_w = t + 1 < t1;
     const int8_t* w0 = h.tiles + t * kp * kRows;
     const int8_t* w1 = w0 + kp * kRows;
-    // NOTE: no software prefetch: the next tiles' lines asked for into L2 a pair or more
-    // ahead measured within the noise (a 32-row pass 13.7-15.8 ms against 14.6-15.6).
     for (int64_t d0 = 0; d0 < dp; d0 += 32) {
       const bool two_x = dp - d0 > 16;
       const int8_t* x0 = xd + d0 * kp;
-      if (two_x && two_w) row_sums<true, true>(x0, w0, w1, kp, sums);
-      else if (two_x) row_sums<true, false>(x0, w0, w1, kp, sums);
-      else if (two_w) row_sums<false, true>(x0, w0, w1, kp, sums);
-      else row_sums<false, false>(x0, w0, w1, kp, sums);
+      const char* ahead = d0 == 0 && t + kAhead + 1 < t1
+                              ? reinterpret_cast<const char*>(w0 + kAhead * kp * kRows) : nullptr;
+      if (two_x && two_w) row_sums<true, true>(x0, w0, w1, kp, ahead, sums);
+      else if (two_x) row_sums<true, false>(x0, w0, w1, kp, ahead, sums);
+      else if (two_w) row_sums<false, true>(x0, w0, w1, kp, ahead, sums);
+      else row_sums<false, false>(x0, w0, w1, kp, ahead, sums);
       for (int i = 0; i < (two_x ? 2 : 1); ++i) {
         const int64_t b0 = d0 / 2 + 8 * i, mr = std::min<int64_t>(8, m - b0);
         if (mr <= 0) break;
