@@ -243,8 +243,9 @@ class LLMEngine:
         assert isinstance(head, QuantLinear)
         head.greedy = GreedyHead(head)
         logger.info("greedy head: greedy rows of steps of >= %d rows pick from an int8 pass "
-                    "over a one-byte copy of the head and the exact logits of its candidates "
-                    "(+%.1f MiB resident)", head.greedy.min_rows, head.greedy.nbytes() / 2**20)
+                    "%sover a one-byte copy of the head and the exact logits of its candidates "
+                    "(+%.1f MiB resident)", head.greedy.min_rows,
+                    "by AMX tiles " if head.greedy.amx else "", head.greedy.nbytes() / 2**20)
         greedy: GreedyHead = head.greedy
         return greedy
 
