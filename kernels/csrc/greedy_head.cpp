@@ -504,7 +504,8 @@ struct RowHead {
 
 // One x row as AMX's two rows of digits, and what its bound needs.
 struct XPair {
-  float scale = 0.f;  // a: z's scale (z': a / 254)
+  float scale = 0.f;  // a: z's scale
+  float fine = 0.f;   // z''s: a / 254
   float room = 0.f;   // ||x - x^|| and room for the float sums (XRow::room's terms), up
   float rest = 0.f;   // ||x without O||, rounded up
   float out1 = 0.f;   // sum_O |x_o|, rounded up
@@ -528,6 +529,7 @@ XPair pair_row(const T* x, int64_t k, int64_t kp, float rho, int8_t* to) {
   // below is the one its sums carry.
   const float a = static_cast<float>(top / 127.0), fine = static_cast<float>(a / kFine);
   r.scale = a;
+  r.fine = fine;
   double err2 = 0;
   for (int64_t d = 0; d < k; ++d) {
     double z = 0, zf = 0;
@@ -625,9 +627,8 @@ void row_bounds(const RowHead& h, int64_t t, const int32_t* sums, int64_t m0, in
     const XPair& x = xs[m0 + i];
     const __m512 coarse = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 2 * i * kRows));
     const __m512 fine = _mm512_cvtepi32_ps(_mm512_load_si512(sums + (2 * i + 1) * kRows));
-    const float a1 = x.scale, a2 = static_cast<float>(x.scale / kFine);
-    const __m512 a = _mm512_mul_ps(
-        s, _mm512_fmadd_ps(coarse, _mm512_set1_ps(a1), _mm512_mul_ps(fine, _mm512_set1_ps(a2))));
+    const __m512 a = _mm512_mul_ps(s, _mm512_fmadd_ps(coarse, _mm512_set1_ps(x.scale),
+                                                      _mm512_mul_ps(fine, _mm512_set1_ps(x.fine))));
     const __m512 b0 = _mm512_fmadd_ps(
         n, _mm512_set1_ps(x.room),
         _mm512_fmadd_ps(e, _mm512_set1_ps(x.rest), _mm512_mul_ps(me, _mm512_set1_ps(x.out1))));
