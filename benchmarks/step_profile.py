@@ -4,6 +4,7 @@
     python benchmarks/step_profile.py --batch 32 --context 400 --shapes
     python benchmarks/step_profile.py --batch 1 --quantization int8
     python benchmarks/step_profile.py --batch 32 --packed-rows off   # the quantized weights alone
+    python benchmarks/step_profile.py --batch 32 --profile-prefill   # where the prefill goes
 
 Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
 (median and fastest) and prints the profiler's table of one more batch of steps, so the
@@ -57,6 +58,9 @@ def main() -> None:
                     help="as `ringserve serve --greedy-head`: auto or off")
     ap.add_argument("--shapes", action="store_true", help="group the table by input shapes")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="the profiler's table covers the prefill (every chunk) instead of "
+                    "the decode steps")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,11 +76,23 @@ def main() -> None:
     for i in range(args.batch):
         ids = [(7919 * j + 104729 * i) % (vocab - 10) + 5 for j in range(args.context)]
         engine.add_request(f"profile-{i}", {"prompt_token_ids": ids}, params)
-    start = time.perf_counter()
-    while engine.scheduler.waiting or any(
-            s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    prefill = time.perf_counter() - start
+    from torch.profiler import ProfilerActivity, profile
+
+    def prefill_all() -> float:
+        start = time.perf_counter()
+        while engine.scheduler.waiting or any(
+                s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running):
+            engine.step()
+        return time.perf_counter() - start
+
+    if args.profile_prefill:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+            prefill = prefill_all()
+        print(prof.key_averages(group_by_input_shape=args.shapes).table(
+            sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=36,
+            max_shapes_column_width=70))
+    else:
+        prefill = prefill_all()
     for _ in range(3):
         engine.step()
     times = []
@@ -84,22 +100,21 @@ def main() -> None:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
-        for _ in range(args.profile_steps):
-            engine.step()
-    table = prof.key_averages(group_by_input_shape=args.shapes).table(
-        sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=36,
-        max_shapes_column_width=70)
-    print(table)
+    if not args.profile_prefill:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+            for _ in range(args.profile_steps):
+                engine.step()
+        print(prof.key_averages(group_by_input_shape=args.shapes).table(
+            sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=36,
+            max_shapes_column_width=70))
     median = statistics.median(times)
     print(f"{args.model} {engine.dtype} {engine.quantization} batch {args.batch}, "
           f"context {args.context}, packed rows {args.packed_rows}, greedy head "
           f"{args.greedy_head}, "
           f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
           f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "
-          f"({args.batch / median:.1f} tok/s); the table covers {args.profile_steps} steps")
+          f"({args.batch / median:.1f} tok/s); the table covers "
+          f"{'the prefill' if args.profile_prefill else f'{args.profile_steps} steps'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""The served copies of a quantized linear side by side: the bf16 tiles (`quant_tiles`, 2 bytes
+a value) and the one-byte tiles (`int8_tiles`) by VNNI and, where the CPU has AMX-INT8, by AMX
+tiles, beside oneDNN's bf16 GEMM over the same weight dequantized (a bf16 server's linear),
+on gemma-3-270m's layer shapes, for the row counts a decode step and a prefill chunk have.
+
+    python benchmarks/copies_bench.py                         # rows 1,2,4,8,16,32,64,512
+    python benchmarks/copies_bench.py --rows 8,32 --quick
+
+Each time is the median of many calls of one linear; "sum" rows add the four linears of a
+layer (what a decoder layer multiplies). Run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
+from ringserve.kernels.quant import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+
+# (name, n, k, bits, group): gemma-3-270m's layer linears as its GGUF stores them
+# (benchmarks/quant_linear_bench.py's SHAPES, without the head).
+SHAPES = [("qkv", 1536, 640, 8, 32), ("o", 640, 1024, 4, 32), ("gate_up", 4096, 640, 8, 32),
+          ("down", 640, 2048, 8, 16)]
+
+
+def median_ms(fn: Callable[[], object], seconds: float) -> float:
+    fn()
+    fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def make(n: int, k: int, bits: int, group: int) -> QuantizedWeight:
+    weight = torch.randn(n, k) * 0.05
+    return quantize_int8(weight, group) if bits == 8 else quantize_int4(weight, group,
+                                                                         search=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
+    ap.add_argument("--quick", action="store_true", help="0.2 s a measurement, not 1 s")
+    args = ap.parse_args()
+    info = cpu_isa.info()
+    variant = info.variant
+    if not (cpu_quant.has_tiles() and cpu_quant.has_int8_tiles()):
+        sys.exit(f"this CPU's {variant} kernels have no bf16 and one-byte tiles")
+    amx = info.has("amx") and "amx_int8" in info.flags and cpu_build.amx(variant)
+    seconds = 0.2 if args.quick else 1.0
+    print(f"{info.describe()}; {variant} kernels; {torch.get_num_threads()} threads; "
+          f"AMX {'on' if amx else 'absent'}")
+    cols = ["bf16 tiles", "1-byte VNNI"] + (["1-byte AMX"] if amx else []) + ["oneDNN bf16"]
+    print(f"{'linear':<8} {'rows':>5} " + " ".join(f"{c:>12}" for c in cols) + "   (ms)")
+    torch.manual_seed(0)
+    weights = [(name, make(n, k, bits, group)) for name, n, k, bits, group in SHAPES]
+    copies = [(cpu_quant.quant_tiles(qw), cpu_quant.int8_tiles(qw),
+               dequantize(qw, torch.bfloat16)) for _, qw in weights]
+    for rows in (int(r) for r in args.rows.split(",")):
+        total = [0.0] * len(cols)
+        for (name, qw), (tiles, tiles8, dense) in zip(weights, copies):
+            x = torch.randn(rows, qw.shape[1]).bfloat16()
+            times = [median_ms(lambda: cpu_quant.quant_linear_tiles(x, tiles, qw, None),
+                               seconds)]
+            if amx:
+                cpu_build.set_amx(False)
+            times.append(median_ms(lambda: cpu_quant.int8_tiles_linear(x, tiles8, qw, None),
+                                   seconds))
+            if amx:
+                cpu_build.set_amx(True)
+                times.append(median_ms(lambda: cpu_quant.int8_tiles_linear(x, tiles8, qw, None),
+                                       seconds))
+            times.append(median_ms(lambda: torch.nn.functional.linear(x, dense), seconds))
+            total = [a + b for a, b in zip(total, times)]
+            print(f"{name:<8} {rows:>5} " + " ".join(f"{t:>12.3f}" for t in times))
+        print(f"{'sum':<8} {rows:>5} " + " ".join(f"{t:>12.3f}" for t in total))
+
+
+if __name__ == "__main__":
+    main()
