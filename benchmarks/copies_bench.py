@@ -1,6 +1,6 @@
 """The served copies of a quantized linear side by side: the bf16 tiles (`quant_tiles`, 2 bytes
-a value) and the one-byte tiles (`int8_tiles`) by VNNI and, where the CPU has AMX-INT8, by AMX
-tiles, beside oneDNN's bf16 GEMM over the same weight dequantized (a bf16 server's linear),
+a value; multiplied by AMX tiles where the CPU has them) and the one-byte tiles (`int8_tiles`,
+VNNI), beside oneDNN's bf16 GEMM over the same weight dequantized (a bf16 server's linear),
 on gemma-3-270m's layer shapes, for the row counts a decode step and a prefill chunk have.
 
     python benchmarks/copies_bench.py                         # rows 1,2,4,8,16,32,64,512
@@ -53,6 +53,16 @@ def make(n: int, k: int, bits: int, group: int) -> QuantizedWeight:
                                                                          search=False)
 
 
+def timings(qw: QuantizedWeight, copy: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
+                                              torch.Tensor],
+            x: torch.Tensor, seconds: float) -> list[float]:
+    """ms of one call: the bf16 tiles, the one-byte tiles, oneDNN over the bf16 weight."""
+    tiles, tiles8, dense = copy
+    return [median_ms(lambda: cpu_quant.quant_linear_tiles(x, tiles, qw, None), seconds),
+            median_ms(lambda: cpu_quant.int8_tiles_linear(x, tiles8, qw, None), seconds),
+            median_ms(lambda: torch.nn.functional.linear(x, dense), seconds)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
@@ -62,35 +72,26 @@ def main() -> None:
     variant = info.variant
     if not (cpu_quant.has_tiles() and cpu_quant.has_int8_tiles()):
         sys.exit(f"this CPU's {variant} kernels have no bf16 and one-byte tiles")
-    amx = info.has("amx") and "amx_int8" in info.flags and cpu_build.amx(variant)
+    amx = cpu_build.amx(variant)
     seconds = 0.2 if args.quick else 1.0
     print(f"{info.describe()}; {variant} kernels; {torch.get_num_threads()} threads; "
-          f"AMX {'on' if amx else 'absent'}")
-    cols = ["bf16 tiles", "1-byte VNNI"] + (["1-byte AMX"] if amx else []) + ["oneDNN bf16"]
+          f"bf16 tiles by {'AMX' if amx else 'dpbf16'}")
+    cols = ["bf16 tiles", "1-byte VNNI", "oneDNN bf16"]
     print(f"{'linear':<8} {'rows':>5} " + " ".join(f"{c:>12}" for c in cols) + "   (ms)")
     torch.manual_seed(0)
     weights = [(name, make(n, k, bits, group)) for name, n, k, bits, group in SHAPES]
-    copies = [(cpu_quant.quant_tiles(qw), cpu_quant.int8_tiles(qw),
-               dequantize(qw, torch.bfloat16)) for _, qw in weights]
+    copies = []
+    for _, qw in weights:
+        tiles8 = cpu_quant.int8_tiles(qw)
+        assert tiles8 is not None  # (the layer shapes' groups divide k)
+        copies.append((cpu_quant.quant_tiles(qw), tiles8, dequantize(qw, torch.bfloat16)))
     for rows in (int(r) for r in args.rows.split(",")):
         total = [0.0] * len(cols)
-        for (name, qw), (tiles, tiles8, dense) in zip(weights, copies):
-            x = torch.randn(rows, qw.shape[1]).bfloat16()
-            times = [median_ms(lambda: cpu_quant.quant_linear_tiles(x, tiles, qw, None),
-                               seconds)]
-            if amx:
-                cpu_build.set_amx(False)
-            times.append(median_ms(lambda: cpu_quant.int8_tiles_linear(x, tiles8, qw, None),
-                                   seconds))
-            if amx:
-                cpu_build.set_amx(True)
-                times.append(median_ms(lambda: cpu_quant.int8_tiles_linear(x, tiles8, qw, None),
-                                       seconds))
-            times.append(median_ms(lambda: torch.nn.functional.linear(x, dense), seconds))
-            total = [a + b for a, b in zip(total, times)]
+        for (name, qw), copy in zip(weights, copies, strict=True):
+            times = timings(qw, copy, torch.randn(rows, qw.shape[1]).bfloat16(), seconds)
+            total = [a + b for a, b in zip(total, times, strict=True)]
             print(f"{name:<8} {rows:>5} " + " ".join(f"{t:>12.3f}" for t in times))
         print(f"{'sum':<8} {rows:>5} " + " ".join(f"{t:>12.3f}" for t in total))
-
 
 if __name__ == "__main__":
     main()
