@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -26,31 +23,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quant_linear_bench import make, median_ms  # (benchmarks/, this script's folder)
+
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
-from ringserve.kernels.quant import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 # (name, n, k, bits, group): gemma-3-270m's layer linears as its GGUF stores them
 # (benchmarks/quant_linear_bench.py's SHAPES, without the head).
 SHAPES = [("qkv", 1536, 640, 8, 32), ("o", 640, 1024, 4, 32), ("gate_up", 4096, 640, 8, 32),
           ("down", 640, 2048, 8, 16)]
-
-
-def median_ms(fn: Callable[[], object], seconds: float) -> float:
-    fn()
-    fn()
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 5:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def make(n: int, k: int, bits: int, group: int) -> QuantizedWeight:
-    weight = torch.randn(n, k) * 0.05
-    return quantize_int8(weight, group) if bits == 8 else quantize_int4(weight, group,
-                                                                         search=False)
 
 
 def timings(qw: QuantizedWeight, copy: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
