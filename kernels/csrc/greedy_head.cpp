@@ -36,6 +36,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "prefetch.h"
 #include "thread_pool.h"
 
 #include "bf16.h"
@@ -585,14 +586,14 @@ ringserve::TileConfig row_config() {
 template <bool TWO_X, bool TWO_W>
 __attribute__((target("amx-tile,amx-int8"))) void row_sums(const int8_t* xd, const int8_t* w0,
                                                            const int8_t* w1, int64_t kp,
-                                                           const char* ahead, int32_t (*sums)[256]) {
+                                                           ringserve::Ahead& ahead,
+                                                           int32_t (*sums)[256]) {
   _tile_zero(0);
   if constexpr (TWO_W) _tile_zero(1);
   if constexpr (TWO_X) _tile_zero(2);
   if constexpr (TWO_X && TWO_W) _tile_zero(3);
   for (int64_t c = 0; c < kp; c += 64) {
-    if (ahead != nullptr)  // 2 KiB of the tiles ahead (16 x 64 values of each of two tiles)
-      for (int64_t off = 0; off < 2048; off += 64) _mm_prefetch(ahead + 2 * c * 16 + off, _MM_HINT_T1);
+    ahead.fetch();  // 2 KiB of the tiles ahead (16 x 64 values of each of two tiles)
     _tile_loadd(4, xd + c, kp);
     _tile_loadd(6, w0 + c * 16, 64);
     _tile_dpbssd(0, 4, 6);
@@ -661,8 +662,11 @@ void row_chunk(const RowHead& h, int64_t t0, int64_t t1, const int8_t* xd, int64
     for (int64_t d0 = 0; d0 < dp; d0 += 32) {
       const bool two_x = dp - d0 > 16;
       const int8_t* x0 = xd + d0 * kp;
-      const char* ahead = d0 == 0 && t + kAhead + 1 < t1
-                              ? reinterpret_cast<const char*>(w0 + kAhead * kp * kRows) : nullptr;
+      ringserve::Ahead ahead;
+      if (d0 == 0 && t + kAhead + 1 < t1) {  // 2 KiB a step of the call's
+        const int64_t steps = (kp + 63) / 64;
+        ahead = ringserve::Ahead(w0 + kAhead * kp * kRows, 2048 * steps, steps);
+      }
       if (two_x && two_w) row_sums<true, true>(x0, w0, w1, kp, ahead, sums);
       else if (two_x) row_sums<true, false>(x0, w0, w1, kp, ahead, sums);
       else if (two_w) row_sums<false, true>(x0, w0, w1, kp, ahead, sums);

@@ -25,6 +25,7 @@
 
 #include "bf16.h"
 #include "int16_acts.h"
+#include "prefetch.h"
 #include "ops.h"
 #include "quant_layout.h"
 #include "thread_pool.h"
@@ -138,12 +139,10 @@ struct TileArgs {
 
 // out[m, tile t's rows] for x rows [0, MR) of `a` starting at row m0. SEG: values a
 // segment, whose integer sums share one weight scale and one x scale: 16 (group 16) or 32.
-// `ahead`, `ahead_end`: lines of the next tile to ask for into L2, `per_seg` of them a
-// segment (none: null).
+// `ahead`: the next tile's lines, some asked for every segment.
 template <int MR, int SEG, typename Out>
 void tile_pass(const TileArgs& w, const ringserve::Acts& a, int64_t m0, int64_t t, Out* out,
-               const char* ahead = nullptr, const char* ahead_end = nullptr,
-               int64_t per_seg = 0) {
+               ringserve::Ahead ahead = {}) {
   const int64_t k = w.k, kp = k / 2, blocks = a.blocks;
   const int8_t* tile = w.tiles + t * kp * 2 * kTile;
   const c10::Half* sc = w.scales + t * w.groups * kTile;
@@ -159,8 +158,7 @@ void tile_pass(const TileArgs& w, const ringserve::Acts& a, int64_t m0, int64_t 
   const int64_t segs_per_group = w.group / SEG;
   int64_t g = 0, in_group = 0;
   for (int64_t j = 0; j < k; j += SEG) {
-    for (int64_t i = 0; i < per_seg && ahead < ahead_end; ++i, ahead += 64)
-      _mm_prefetch(ahead, _MM_HINT_T1);
+    ahead.fetch();
     __m512i ip[MR][2];
     for (int m = 0; m < MR; ++m) ip[m][0] = ip[m][1] = _mm512_setzero_si512();
     const int64_t p0 = j / 2;
@@ -222,17 +220,16 @@ void run(const TileArgs& w, const ringserve::Acts& a, int64_t rows, Out* out) {
   // the tile's values once for all its rows.
   const int64_t passes = (rows + kPassRows - 1) / kPassRows, per = (rows + passes - 1) / passes;
   // NOTE: the next tile asked for into L2 a few lines a segment of the first pass.
-  const int64_t tile_bytes = w.k * kTile, per_seg = (tile_bytes / 64 + w.k / SEG - 1) / (w.k / SEG);
+  const int64_t tile_bytes = w.k * kTile;
   ringserve::parallel_for(0, nt, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < rows; m0 += per) {
-        const char* next = m0 == 0 && t + 1 < t1
-                               ? reinterpret_cast<const char*>(w.tiles + (t + 1) * tile_bytes)
-                               : nullptr;
+        const ringserve::Ahead ahead =
+            m0 == 0 && t + 1 < t1
+                ? ringserve::Ahead(w.tiles + (t + 1) * tile_bytes, tile_bytes, w.k / SEG)
+                : ringserve::Ahead();
         ringserve::with_rows<kPassRows>(std::min(per, rows - m0), [&](auto r) {
-          tile_pass<decltype(r)::value, SEG>(w, a, m0, t, out, next,
-                                             next != nullptr ? next + tile_bytes : nullptr,
-                                             per_seg);
+          tile_pass<decltype(r)::value, SEG>(w, a, m0, t, out, ahead);
         });
       }
   });

@@ -26,6 +26,7 @@
 #include "thread_pool.h"
 
 #include "bf16.h"
+#include "prefetch.h"
 #include "quant_layout.h"
 
 #include <cstring>
@@ -456,20 +457,11 @@ inline int64_t amx_pairs(int64_t group) { return std::min<int64_t>(group / 2, 16
 
 // x rows [m0, m0 + 16) of `x` (16 rows readable) by the tile's half `h`, for MR valid rows:
 // acc[m] (16 outputs) = sum over groups of scale * the group's sums (+ 4-bit mins * x sums).
-// `ahead`: lines of the next tile to ask for (into L2), `per_group` of them a group.
-struct Ahead {
-  const char* at = nullptr;
-  const char* end = nullptr;
-  int64_t per_group = 0;
-  void fetch() {
-    for (int64_t i = 0; i < per_group && at < end; ++i, at += 64) _mm_prefetch(at, _MM_HINT_T1);
-  }
-};
-
+// `ahead`: the next tile's lines, some asked for every second group.
 template <int MR, int BITS>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_half(
     const uint16_t* x, int64_t k, int64_t group, const uint32_t* tile, const float* sct,
-    const float* mnt, const float* xsum, int64_t groups, int h, __m512* acc, Ahead& ahead) {
+    const float* mnt, const float* xsum, int64_t groups, int h, __m512* acc, ringserve::Ahead& ahead) {
   alignas(64) float part[2][16 * 16];
   const int64_t gp = group / 2, step = amx_pairs(group);
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
@@ -504,7 +496,7 @@ template <int BITS>
 void amx_tile_passes(const uint16_t* x, int64_t m_begin, int64_t m_end, const float* xsum,
                      const c10::BFloat16* bias, int64_t t, int64_t k, int64_t group, int64_t n,
                      const uint32_t* tile, const float* sct, const float* mnt,
-                     c10::BFloat16* out, Ahead ahead = {}) {
+                     c10::BFloat16* out, ringserve::Ahead ahead = {}) {
   const int64_t groups = k / group, r0 = t * kTile, valid = std::min(kTile, n - r0);
   __mmask16 masks[2];
   __m512 bv[2];
@@ -774,14 +766,11 @@ at::Tensor quant_linear_tiles(const at::Tensor& x, const at::Tensor& tiles,
             // multiplied, a few lines every second group: AMX takes a tile faster than the
             // hardware prefetcher brings the next from memory, and the whole tile asked for
             // at once stalled the core until the requests drained.
-            Ahead ahead;
-            if (m0 == 0 && t + 1 < t1) {
-              const int64_t m1 = std::min(rows, kRowBlock), bytes = k * 2 * kTile;
-              const int64_t steps = std::max<int64_t>(1, (m1 + 15) / 16 * 2 * ((groups + 1) / 2));
-              ahead.at = reinterpret_cast<const char*>(tile + (k / 2) * kTile);
-              ahead.end = ahead.at + bytes;
-              ahead.per_group = (bytes / 64 + steps - 1) / steps;
-            }
+            ringserve::Ahead ahead;
+            if (m0 == 0 && t + 1 < t1)  // fetch() calls: 16-row blocks x halves x pairs of groups
+              ahead = ringserve::Ahead(tile + (k / 2) * kTile, k * 2 * kTile,
+                                       (std::min(rows, kRowBlock) + 15) / 16 * 2 *
+                                           ((groups + 1) / 2));
             const int64_t m1 = std::min(rows, m0 + kRowBlock);
             if (bits == 8)
               amx_tile_passes<8>(xa, m0, m1, nullptr, prep.bp, t, k, group, n, tile, sct,
