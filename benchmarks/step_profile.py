@@ -5,6 +5,7 @@
     python benchmarks/step_profile.py --batch 1 --quantization int8
     python benchmarks/step_profile.py --batch 32 --packed-rows off   # the quantized weights alone
     python benchmarks/step_profile.py --batch 32 --profile-prefill   # where the prefill goes
+    python benchmarks/step_profile.py --batch 32 --step-tokens 512 --rounded-copy-rows 128
 
 Prefills ``--batch`` prompts of ``--context`` token ids, then times ``--steps`` decode steps
 (median and fastest) and prints the profiler's table of one more batch of steps, so the
@@ -52,6 +53,11 @@ def main() -> None:
     ap.add_argument("--packed-rows", default="auto",
                     help="as `ringserve serve --packed-rows`: a row count, auto (the "
                     "server's default) or off")
+    ap.add_argument("--rounded-copy-rows", type=int, default=None,
+                    help="as `ringserve serve --rounded-copy-rows` (default off)")
+    ap.add_argument("--step-tokens", type=int, default=2048,
+                    help="as `ringserve serve --max-num-batched-tokens` (the server's CPU "
+                    "default is 512)")
     ap.add_argument("--int16-activations", default="auto",
                     help="as `ringserve serve --int16-activations`")
     ap.add_argument("--greedy-head", default="auto",
@@ -69,6 +75,8 @@ def main() -> None:
               kv_cache_memory="2GiB",
               max_model_len=max(total, 256), max_num_seqs=max(args.batch, 1),
               packed_head_rows=args.packed_head_rows, packed_rows=_rows(args.packed_rows),
+              rounded_copy_rows=args.rounded_copy_rows,
+              max_num_batched_tokens=max(args.step_tokens, args.batch),
               int16_activations=args.int16_activations, greedy_head=args.greedy_head)
     engine = llm.engine
     vocab = engine.model.config.vocab_size
@@ -109,7 +117,8 @@ def main() -> None:
             max_shapes_column_width=70))
     median = statistics.median(times)
     print(f"{args.model} {engine.dtype} {engine.quantization} batch {args.batch}, "
-          f"context {args.context}, packed rows {args.packed_rows}, greedy head "
+          f"context {args.context}, packed rows {args.packed_rows}, rounded copy rows "
+          f"{args.rounded_copy_rows}, step tokens {args.step_tokens}, greedy head "
           f"{args.greedy_head}, "
           f"{torch.get_num_threads()} threads: prefill {prefill * 1e3:.0f} ms; decode step "
           f"median {median * 1e3:.1f} ms, fastest {min(times) * 1e3:.1f} ms "

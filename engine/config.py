@@ -74,6 +74,12 @@ class EngineConfig:
             the kernels' own bf16 and one-byte tiles (AVX512-BF16 or AMX) and take at most
             a quarter of the memory available
             (`engine.models.quant_linear.auto_packed_rows`), else off.
+        rounded_copy_rows: steps (prefill chunks, mostly) of at least this many rows
+            multiply every quantized linear but the output head by oneDNN's bf16 GEMM over a
+            copy of its weight rounded to bf16 (about 2 bytes a parameter more, logged;
+            AVX-512 or AMX CPUs): faster than the exact tiles from ~128 rows, but not
+            exact (8 significant bits a weight; `benchmarks/accuracy.py` measures it).
+            None = off (the default).
         greedy_head: "auto" or "off": greedy rows (temperature 0, no logprobs, nothing
             that changes their logits) of steps of at least `greedy_head.min_rows()` rows
             (2 with AVX512-VNNI, 4 with the AVX2 pass) take their token from an int8 pass
@@ -114,6 +120,7 @@ class EngineConfig:
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
     packed_rows: int | str | None = None
+    rounded_copy_rows: int | None = None
     greedy_head: str = "auto"
     scheduling_policy: str = "fcfs"
     kv_events_config: str | dict[str, Any] | None = None
@@ -143,6 +150,9 @@ class EngineConfig:
             ("packed_rows", self.packed_rows is None or self.packed_rows == "auto"
              or (isinstance(self.packed_rows, int) and self.packed_rows >= 1),
              "must be >= 1, \"auto\" (or None: off)"),
+            ("rounded_copy_rows",
+             self.rounded_copy_rows is None or self.rounded_copy_rows >= 1,
+             "must be >= 1 (or None: off)"),
             ("greedy_head", self.greedy_head in ("auto", "off"), "must be auto or off"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
              "must be in (0, 1]"),

@@ -40,6 +40,7 @@ from ringserve.engine.models.quant_linear import (
     auto_packed_rows,
     pack_head_copy,
     pack_linear_copies,
+    pack_rounded_copies,
 )
 from ringserve.engine.outputs import Request
 from ringserve.engine.request_check import (
@@ -109,7 +110,9 @@ class LLMEngine:
         else:
             packed_rows = None if config.packed_rows is None else int(config.packed_rows)
         for param, rows, pack in (("packed_head_rows", head_rows, pack_head_copy),
-                                  ("packed_rows", packed_rows, pack_linear_copies)):
+                                  ("packed_rows", packed_rows, pack_linear_copies),
+                                  ("rounded_copy_rows", config.rounded_copy_rows,
+                                   pack_rounded_copies)):
             if rows is not None:
                 try:
                     logger.info("%s", pack(self.model, rows, self.dtype))

@@ -178,6 +178,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
                          "rows, bf16 copy beyond)")
             elif module.packed_rows is not None:
                 name += f" (+ bf16 copy from {module.packed_rows} rows)"
+            if module.rounded_rows is not None:
+                name += f" (+ oneDNN over a bf16-rounded copy from {module.rounded_rows} rows)"
         elif type(module) is torch.nn.Linear:
             name = f"torch {str(dtype).removeprefix('torch.')} F.linear"
         else:

@@ -23,6 +23,16 @@ logger = logging.getLogger("ringserve.server")
 # uvicorn cancels what is still open: an orchestrator's grace period must cover both.
 ABORT_GRACE_S = 10
 
+def _rows_or_off(text: str | int) -> int | str:
+    """A row count or "off" (argparse names the flag when it is neither)."""
+    if str(text).lower() == "off":
+        return "off"
+    rows = int(text)
+    if rows < 1:
+        raise ValueError(text)
+    return rows
+
+
 def _rows_or_auto(text: str | int) -> int | str:
     """A row count, "auto" or "off" (argparse names the flag when it is none of them)."""
     if str(text).lower() in ("auto", "off"):
@@ -63,6 +73,10 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "take a second copy at one byte a parameter); auto: from 2 rows where the copies are "
      "the kernels' bf16 and one-byte tiles (AVX512-BF16/AMX) and fit in a quarter of the "
      "available memory; off"),
+    ("rounded-copy-rows", _rows_or_off, "steps and prefill chunks of at least this many "
+     "rows multiply every quantized linear but the head by oneDNN's bf16 GEMM over a copy "
+     "of its weight rounded to bf16 (faster from ~128 rows; inexact: 8 significant bits a "
+     "weight; about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); default off"),
     ("greedy-head", str, "auto or off: greedy rows of multi-row steps take their token from "
      "an int8 pass over a one-byte copy of an int8 output head and the exact logits of the "
      "few rows that can be the maximum (the same token; AVX512-VNNI CPUs; copy logged)"),
@@ -159,8 +173,9 @@ def _serve_args(ns: argparse.Namespace) -> ServeArgs:
         kwargs["tool_call_parser"] = None
     if kwargs.get("metrics_compat") == "none":
         kwargs["metrics_compat"] = None
-    if kwargs.get("packed_rows") == "off":
-        kwargs["packed_rows"] = None
+    for rows in ("packed_rows", "rounded_copy_rows"):
+        if kwargs.get(rows) == "off":
+            kwargs[rows] = None
     return ServeArgs(**kwargs)
 
 

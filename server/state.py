@@ -40,6 +40,7 @@ class ServeArgs:
     max_prefill_slowdown: float | None = None
     packed_head_rows: int | None = None
     packed_rows: int | str | None = "auto"  # None: off
+    rounded_copy_rows: int | None = None  # None: off
     greedy_head: str = "auto"
     scheduling_policy: str = "fcfs"
     kv_events_config: str | None = None  # vLLM's JSON: the prefix cache's events over ZMQ
@@ -80,7 +81,8 @@ class ServeArgs:
                     max_num_batched_tokens=self.step_tokens(),
                     max_prefill_slowdown=self.max_prefill_slowdown,
                     packed_head_rows=self.packed_head_rows,
-                    packed_rows=self.packed_rows, greedy_head=self.greedy_head,
+                    packed_rows=self.packed_rows, rounded_copy_rows=self.rounded_copy_rows,
+                    greedy_head=self.greedy_head,
                     scheduling_policy=self.scheduling_policy,
                     kv_events_config=self.kv_events_config,
                     max_model_len=self.max_model_len, debug_kv=self.debug_kv,

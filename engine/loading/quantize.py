@@ -256,9 +256,11 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             resident += size
             if id(tensor) not in lookup_only and tensor is not skip:
                 per_token += round(size * share.get(id(tensor), 1.0))
-        if isinstance(module, QuantLinear) and module.tiles is not None:
-            # widened copies beside the quantized weight (not buffers: see QuantLinear)
-            resident += sum(t.numel() * t.element_size() for t in module.copies())
+        if isinstance(module, QuantLinear):
+            # widened or rounded copies beside the quantized weight (not buffers, but for
+            # oneDNN's `packed`, counted above: see QuantLinear)
+            resident += sum(t.numel() * t.element_size() for t in module.copies()
+                            if t is not module.packed)
         if isinstance(module, QuantLinear) and module.greedy is not None:
             resident += module.greedy.nbytes()  # engine.models.greedy_head's copy
     return WeightBytes(resident, per_token)

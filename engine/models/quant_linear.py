@@ -12,6 +12,9 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
 - with `--packed-rows` (served default: auto), copies made once at start: steps of 2-16
   rows multiply by a one-byte copy in the tiles' layout against x rounded to int16 blocks
   (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by the bf16 tiles (`add_packed_copy`).
+- with `--rounded-copy-rows N` (off by default): steps of N+ rows (prefill chunks) multiply
+  by oneDNN's GEMM over a copy of the weight rounded to bf16 (`add_rounded_copy`): faster
+  than the tiles from ~128 rows, and not exact.
 - float32 or bf16 activations on any other CPU, AVX2 and aarch64 included
   (`kernels/csrc/compact_gemm.cpp`): the same two shapes with float32 FMA.
 - float32 activations rounded to int16 blocks of 32 values (`int16_acts`, the default on
@@ -95,6 +98,10 @@ class QuantLinear(nn.Module):
         self.tiles8: tuple[torch.Tensor, ...] | None = None
         # An output head's `engine.models.greedy_head.GreedyHead`, where the engine made one.
         self.greedy: Any = None
+        # `--rounded-copy-rows`: the dequantized weight rounded to bf16 and packed for
+        # oneDNN, for steps of at least `rounded_rows` rows (`add_rounded_copy`).
+        self.rounded: torch.Tensor | None = None
+        self.rounded_rows: int | None = None
 
     def add_packed_copy(self, rows: int) -> int:
         """Keep a copy of the weight widened to bf16 once, which steps of ``rows`` rows or
@@ -120,16 +127,41 @@ class QuantLinear(nn.Module):
             self.tiles = cpu_quant.quant_tiles(self.qw)
             if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
                 self.tiles8 = cpu_quant.int8_tiles(self.qw)
-            return sum(int(t.numel() * t.element_size()) for t in self.copies())
+            return sum(int(t.numel() * t.element_size())
+                       for t in (*self.tiles, *(self.tiles8 or ())))
         dense = dequantize(self.qw, torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
         return int(self.packed.numel() * self.packed.element_size())
 
+    def add_rounded_copy(self, rows: int) -> int:
+        """Keep the weight dequantized (in float32, exactly), rounded to bf16 once and
+        packed for oneDNN, which steps of ``rows`` rows or more multiply by: oneDNN's GEMM,
+        2.4x our tiles at 512 rows, where each group of 32 values' sums leave the tile unit
+        to be scaled (`benchmarks/copies_bench.py`). Not this layer's weight: each value
+        keeps 8 significant bits (a relative error of at most 2**-9, below an int8 group's
+        step), and a step's rows then depend on the step they share
+        (docs/cpu.md, "A rounded copy for prefill chunks").
+
+        Returns:
+            The copy's bytes (none where oneDNN's copy from `add_packed_copy` is this one).
+        """
+        self.rounded_rows = rows
+        _copies[0] += 1
+        if self.packed is not None:  # already the rounded weight, packed the same way
+            self.rounded = self.packed
+            return 0
+        dense = dequantize(self.qw, torch.bfloat16)
+        self.rounded = torch.ops.mkldnn._reorder_linear_weight(dense, None)
+        return int(self.rounded.numel() * self.rounded.element_size())
+
     def copies(self) -> list[torch.Tensor]:
-        """The tensors of the copy `add_packed_copy` made (none without one)."""
-        if self.tiles is not None:
-            return [*self.tiles, *(self.tiles8 or ())]
-        return [] if self.packed is None else [self.packed]
+        """The tensors of the copies `add_packed_copy` and `add_rounded_copy` made."""
+        out = [*(self.tiles or ()), *(self.tiles8 or ())]
+        if self.packed is not None:
+            out.append(self.packed)
+        if self.rounded is not None and self.rounded is not self.packed:
+            out.append(self.rounded)
+        return out
 
     @property
     def qw(self) -> QuantizedWeight:
@@ -152,16 +184,15 @@ class QuantLinear(nn.Module):
         out: torch.Tensor
         copy = self.packed_rows is not None and rows >= self.packed_rows \
             and flat.dtype == torch.bfloat16
-        if copy and self.tiles8 is not None and rows <= INT8_TILE_ROWS:
+        if self.rounded is not None and self.rounded_rows is not None \
+                and rows >= self.rounded_rows and flat.dtype == torch.bfloat16:
+            out = onednn_linear(flat, self.rounded, self.bias)
+        elif copy and self.tiles8 is not None and rows <= INT8_TILE_ROWS:
             out = cpu_quant.int8_tiles_linear(flat, self.tiles8, self.qw, self.bias)
         elif copy and self.tiles is not None:
             out = cpu_quant.quant_linear_tiles(flat, self.tiles, self.qw, self.bias)
         elif copy and self.packed is not None:
-            padded = bucket_rows(rows)
-            if padded != rows:
-                flat = F.pad(flat, (0, 0, 0, padded - rows))
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none",
-                                                     [], "")[:rows]
+            out = onednn_linear(flat, self.packed, self.bias)
         elif self.int16_acts and flat.dtype == torch.float32:
             out = cpu_quant.int16_act_linear(flat, self.qw, self.bias)
         elif self.kernel and flat.dtype in (torch.bfloat16, torch.float32):
@@ -186,6 +217,20 @@ class QuantLinear(nn.Module):
         (`engine.models.fast_decode`). None where `forward` takes a path this does not
         (oneDNN's packed copy, no compiled kernel). The same calls as `forward`: change the
         two together (tests/test_fast_decode.py compares their bits)."""
+        chosen = self._fixed_forward(dtype)
+        rounded, threshold, bias = self.rounded, self.rounded_rows, self.bias
+        if chosen is None or rounded is None or threshold is None or dtype != torch.bfloat16:
+            return chosen
+        smaller = chosen
+
+        def either(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= threshold:
+                return onednn_linear(x, rounded, bias)
+            return smaller(x)
+        return either
+
+    def _fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`fixed_forward` before the rounded copy's steps."""
         ops = cpu_build.ops()
         qw, bias, n = self.qw, self.bias, self.out_features
         if dtype == torch.float32:  # the copies serve bf16 rows only
@@ -234,6 +279,17 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group={self.group}")  # fmt: skip
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (2-D, bf16) by a weight packed for oneDNN, its rows padded to the bucket
+    oneDNN's kernel cache keys (`packed_linear.bucket_rows`)."""
+    rows = x.shape[0]
+    padded = bucket_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows]
 
 
 _copies = [0]  # copies made so far in this process (`copy_epoch`)
@@ -286,6 +342,29 @@ def pack_linear_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
     return (f"{len(layers)} quantized linears: bf16 copies (widened once) for steps of >= {rows} "
             f"rows{_one_byte(layers)} (+{size / 2**20:.1f} MiB resident; fewer rows read the "
             "quantized weights)")
+
+
+def pack_rounded_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
+    """``--rounded-copy-rows``: give every quantized linear but the output head a copy of
+    its weight rounded to bf16 and packed for oneDNN (`QuantLinear.add_rounded_copy`), for
+    steps (prefill chunks, mostly) of ``rows`` rows or more; smaller steps keep the exact
+    paths. The head is left out: a prefill reaches it with one row a sequence, and its
+    copy would be the largest (vocab x hidden x 2 bytes). What was done, for the log.
+
+    Raises:
+        ValueError: the model has no quantized linear besides its head, its activations
+            (``dtype``) are not bf16, or this CPU cannot pack bf16 for oneDNN.
+    """
+    head = getattr(model, "lm_head", None)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not head]
+    if not layers:
+        raise ValueError("--rounded-copy-rows needs quantized linears besides the output head "
+                         "(this model's are bf16 or float32 GEMMs already)")
+    _check_packable("--rounded-copy-rows", dtype, layers[0].qweight.device)
+    size = sum(layer.add_rounded_copy(rows) for layer in layers)
+    return (f"{len(layers)} quantized linears: copies rounded to bf16 for oneDNN for steps of "
+            f">= {rows} rows (+{size / 2**20:.1f} MiB resident; inexact: 8 significant bits a "
+            "weight; fewer rows keep the exact paths)")
 
 
 def _one_byte(layers: list[QuantLinear]) -> str:
