@@ -428,16 +428,18 @@ void tile_passes(const uint16_t* x, int64_t rows, const float* xsum, const c10::
 // instructions' description matched its bits), so these sums agree with tile_rows' to
 // float32 rounding, not bit for bit; both paths of one linear (run_tiles and
 // quant_linear_tiles) take it, and agree with each other bit for bit.
-// Two sets, so that one group's multiply runs while the last one's sums are scaled: tmm0 /
-// tmm3 a group's sums, 16 x rows by 16 outputs (float32); tmm1 / tmm4 16 x rows by `pairs`
-// pairs of k; tmm2 / tmm5 `pairs` pairs by 16 outputs of the tile.
+// The tiles: tmm0 / tmm1 16 x rows by `pairs` pairs of k (A); tmm2 / tmm3 `pairs` pairs by
+// 16 outputs of the tile (B: its two halves); tmm4-7 a group's sums, 16 x rows by 16
+// outputs (float32). `amx_quad` multiplies both A by both B into all four sums; `amx_half`
+// runs two sets (tmm0, tmm2, tmm4 and tmm1, tmm3, tmm5), so that one group's multiply runs
+// while the last one's sums are scaled.
 ringserve::TileConfig amx_config(int64_t pairs) {
   ringserve::TileConfig c;
-  for (int i : {0, 3}) {
-    c.set(i, 16, 64);
-    c.set(i + 1, 16, static_cast<int>(pairs * 4));
+  for (int i : {0, 1}) {
+    c.set(i, 16, static_cast<int>(pairs * 4));
     c.set(i + 2, static_cast<int>(pairs), 64);
   }
+  for (int i = 4; i < 8; ++i) c.set(i, 16, 64);
   return c;
 }
 
@@ -474,20 +476,98 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_half(
         acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), mn, acc[m]);
     }
   };
-  RINGSERVE_AMX_GROUP(0, 1, 2, 0);
+  RINGSERVE_AMX_GROUP(4, 0, 2, 0);
   for (int64_t g = 0; g < groups; g += 2) {
     ahead.fetch();
-    if (g + 1 < groups) RINGSERVE_AMX_GROUP(3, 4, 5, g + 1);
-    _tile_stored(0, part[0], 64);
+    if (g + 1 < groups) RINGSERVE_AMX_GROUP(5, 1, 3, g + 1);
+    _tile_stored(4, part[0], 64);
     add(part[0], g);
     if (g + 1 < groups) {
-      if (g + 2 < groups) RINGSERVE_AMX_GROUP(0, 1, 2, g + 2);
-      _tile_stored(3, part[1], 64);
+      if (g + 2 < groups) RINGSERVE_AMX_GROUP(4, 0, 2, g + 2);
+      _tile_stored(5, part[1], 64);
       add(part[1], g + 1);
     }
   }
 }
 #undef RINGSERVE_AMX_GROUP
+
+// Group g's sums of x rows [0, 32) (two blocks of 16, at x and x + 16 * k) by both halves
+// of the tile into tmm4-7: four independent multiplies a group, where `amx_half` has one
+// (two with its second set), so the tile unit's latency is hidden, and each A and B tile
+// loaded serves two multiplies.
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_quad_group(
+    const uint16_t* x, int64_t k, const uint32_t* tile, int64_t g, int64_t gp, int64_t step) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t p = g * gp; p < (g + 1) * gp; p += step) {
+    _tile_loadd(0, x + 2 * p, k * 2);
+    _tile_loadd(2, tile + p * kTile, kTile * 4);
+    _tile_loadd(3, tile + p * kTile + 16, kTile * 4);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, x + 16 * k + 2 * p, k * 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
+// x rows [0, 32) of `x` (32 rows readable) by both halves of the tile: acc[b][m][h] (16
+// outputs) = sum over groups of scale * the group's sums (+ 4-bit mins * x sums), for the
+// MR0 (MR1) valid rows of block b = 0 (1). The same sums, scaled and added in the same
+// order, as `amx_half` for each block and half: the same bits. Each group's four sums go
+// to `part` and are added up kQuadGroups groups at a time, a quarter at a time with its
+// rows' sums in registers, while the next group multiplies.
+constexpr int kQuadGroups = 2;
+
+template <int BITS>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_quad(
+    const uint16_t* x, int64_t k, int64_t group, const uint32_t* tile, const float* sct,
+    const float* mnt, const float* xsum, int64_t groups, int mr0, int mr1, float* acc,
+    ringserve::Ahead& ahead) {
+  alignas(64) float part[kQuadGroups][4][16 * 16];
+  const int64_t gp = group / 2, step = amx_pairs(group);
+  const int mr[2] = {mr0, mr1};
+  for (int i = 0; i < 2 * 16 * 2 * 16; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  // groups [g0, g1) from part into acc
+  auto add = [&](int64_t g0, int64_t g1) {
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + (b * 16 * 2 + h) * 16;  // [b][m][h][16]: row m at a + m * 32
+        __m512 r[16];
+        for (int m = 0; m < 16; ++m) r[m] = _mm512_load_ps(a + m * 32);
+        for (int64_t g = g0; g < g1; ++g) {
+          const float* pt = part[g - g0][b * 2 + h];
+          const __m512 sc = _mm512_loadu_ps(sct + g * kTile + h * 16);
+          for (int m = 0; m < 16; ++m) r[m] = _mm512_fmadd_ps(_mm512_load_ps(pt + m * 16), sc, r[m]);
+          if constexpr (BITS == 4) {
+            const __m512 mn = _mm512_loadu_ps(mnt + g * kTile + h * 16);
+            const float* xs = xsum + b * 16 * groups;
+            for (int m = 0; m < mr[b]; ++m)
+              r[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * groups + g]), mn, r[m]);
+          }
+        }
+        for (int m = 0; m < 16; ++m) _mm512_store_ps(a + m * 32, r[m]);
+      }
+  };
+  amx_quad_group(x, k, tile, 0, gp, step);
+  int64_t first = 0;  // the first group in part
+  for (int64_t g = 0; g < groups; ++g) {
+    ahead.fetch();
+    ahead.fetch();
+    float(*pg)[16 * 16] = part[g - first];
+    _tile_stored(4, pg[0], 64);
+    _tile_stored(5, pg[1], 64);
+    _tile_stored(6, pg[2], 64);
+    _tile_stored(7, pg[3], 64);
+    if (g + 1 < groups) amx_quad_group(x, k, tile, g + 1, gp, step);
+    if (g + 1 - first == kQuadGroups || g + 1 == groups) {
+      add(first, g + 1);
+      first = g + 1;
+    }
+  }
+}
 
 // tile_passes by AMX for x rows [m_begin, m_end) (m_begin a multiple of 16): x has a
 // multiple of 16 rows readable (amx_rows). The caller has configured this thread's tiles
@@ -508,9 +588,25 @@ void amx_tile_passes(const uint16_t* x, int64_t m_begin, int64_t m_end, const fl
       b[i] = ringserve::to_f(bias[r0 + h * 16 + i]);
     bv[h] = _mm512_load_ps(b);
   }
-  // NOTE: both halves of the tile for one block of 16 x rows in turn, so that the block's
-  // rows are read from L1 the second time.
-  for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+  // NOTE: 32 x rows by both halves at once where there are more than 16 rows left and
+  // the tile has both halves (`amx_quad`); else both halves of the tile for one block of
+  // 16 x rows in turn, so that the block's rows are read from L1 the second time.
+  int64_t m0 = m_begin;
+  if (masks[1] != 0)
+    for (; m_end - m0 > 16; m0 += 32) {
+      alignas(64) float acc[2 * 16 * 2 * 16];
+      const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
+      const int mr1 = static_cast<int>(std::min<int64_t>(16, m_end - m0 - 16));
+      amx_quad<BITS>(x + m0 * k, k, group, tile, sct, mnt, xs, groups, 16, mr1, acc, ahead);
+      for (int b = 0; b < 2; ++b)
+        for (int64_t m = 0; m < (b == 0 ? 16 : mr1); ++m)
+          for (int h = 0; h < 2; ++h) {
+            const __m512 v = _mm512_load_ps(acc + ((b * 16 + m) * 2 + h) * 16);
+            const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, bv[h]));
+            _mm256_mask_storeu_epi16(out + (m0 + b * 16 + m) * n + r0 + h * 16, masks[h], o);
+          }
+    }
+  for (; m0 < m_end; m0 += 16) {
     const float* xs = xsum != nullptr ? xsum + m0 * groups : nullptr;
     const int64_t mr = std::min<int64_t>(16, m_end - m0);
     for (int h = 0; h < 2; ++h) {
