@@ -38,6 +38,17 @@ packs = pytest.mark.skipif(
 real_quant_linear = cpu_quant.quant_linear
 
 
+def int8_model(tmp_path: pathlib.Path, seed: int) -> tuple[pathlib.Path, list[int], torch.Tensor,
+                                                            torch.nn.Module]:
+    """A tiny gemma3 checkpoint, 160 random tokens, transformers' logits over them with
+    the checkpoint's int8 weights (the reference), and our int8 model (bf16 activations)."""
+    path = make_checkpoint("gemma3_text", tmp_path)
+    ids = random_tokens(160, seed=seed)
+    with torch.no_grad():
+        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
+    return path, ids, expected, load_model(path, dtype=torch.bfloat16, quantization="int8")
+
+
 def _no_quantized_call_at(layer: QuantLinear | None, rows: int,
                           monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the quantized kernel fail for ``layer`` (None: any) in steps of ``rows`` or
@@ -93,11 +104,7 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
 @packs
 def test_a_model_with_the_packed_head_is_as_close_to_transformers(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = make_checkpoint("gemma3_text", tmp_path)
-    ids = random_tokens(160, seed=5)
-    with torch.no_grad():
-        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
-    model = load_model(path, dtype=torch.bfloat16, quantization="int8")
+    path, ids, expected, model = int8_model(tmp_path, seed=5)
     before = weight_bytes(model)
     message = pack_head_copy(model, 2, torch.bfloat16)
     after = weight_bytes(model)
@@ -140,11 +147,7 @@ def test_every_quantized_linear_runs_its_copy_in_large_steps(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--packed-rows``: steps of 2+ rows never reach the quantized kernel; one-row steps
     do; the logits stay as close to transformers as the quantized model's."""
-    path = make_checkpoint("gemma3_text", tmp_path)
-    ids = random_tokens(160, seed=6)
-    with torch.no_grad():
-        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
-    model = load_model(path, dtype=torch.bfloat16, quantization="int8")
+    path, ids, expected, model = int8_model(tmp_path, seed=6)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     before = weight_bytes(model)
     message = pack_linear_copies(model, 2, torch.bfloat16)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from ringserve.engine import LLM, InvalidRequestError, SamplingParams
-from ringserve.engine.loading import load_model
 from ringserve.engine.loading.quantize import weight_bytes
 from ringserve.engine.models import quant_linear
 from ringserve.engine.models.packed_linear import can_pack
@@ -25,7 +24,8 @@ from ringserve.engine.startup import describe_cpu_kernels
 from ringserve.kernels import cpu_isa
 from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.model_harness import RingHarness
-from tests.test_quant import assert_as_close_as_bf16, transformers_with
+from tests.test_packed_head import int8_model
+from tests.test_quant import assert_as_close_as_bf16
 from tests.tiny_models import B, W, make_checkpoint, random_tokens
 
 packs = pytest.mark.skipif(
@@ -87,11 +87,7 @@ def test_steps_of_n_rows_multiply_by_the_rounded_weight(
 @packs
 def test_a_model_with_rounded_copies_is_as_close_to_transformers(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = make_checkpoint("gemma3_text", tmp_path)
-    ids = random_tokens(160, seed=7)
-    with torch.no_grad():
-        expected = transformers_with(path, "int8", torch.bfloat16)(torch.tensor([ids])).logits[0]
-    model = load_model(path, dtype=torch.bfloat16, quantization="int8")
+    path, ids, expected, model = int8_model(tmp_path, seed=7)
     before = weight_bytes(model)
     message = pack_rounded_copies(model, 2 * W, torch.bfloat16)
     after = weight_bytes(model)
