@@ -14,7 +14,7 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
   (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by the bf16 tiles (`add_packed_copy`).
 - with `--rounded-copy-rows N` (off by default): steps of N+ rows (prefill chunks) multiply
   by oneDNN's GEMM over a copy of the weight rounded to bf16 (`add_rounded_copy`): faster
-  than the tiles from ~128 rows, and not exact.
+  than the AMX tiles from ~150 rows, and not exact.
 - float32 or bf16 activations on any other CPU, AVX2 and aarch64 included
   (`kernels/csrc/compact_gemm.cpp`): the same two shapes with float32 FMA.
 - float32 activations rounded to int16 blocks of 32 values (`int16_acts`, the default on
@@ -138,10 +138,9 @@ class QuantLinear(nn.Module):
         packed for oneDNN, which steps of ``rows`` rows or more multiply by: oneDNN's GEMM,
         1.9x our AMX tiles at 512 rows (from ~150 rows faster), where each group of 32
         values' sums leave the tile unit to be scaled (`benchmarks/copies_bench.py`). Not
-        this layer's weight: each value
-        keeps 8 significant bits (a relative error of at most 2**-9, below an int8 group's
-        step), and a step's rows then depend on the step they share
-        (docs/cpu.md, "A rounded copy for prefill chunks").
+        this layer's weight: each value keeps 8 significant bits (a relative error of at
+        most 2**-9, below an int8 group's step), and a step's rows then depend on the step
+        they share (docs/cpu.md, "A rounded copy for prefill chunks").
 
         Returns:
             The copy's bytes (none where oneDNN's copy from `add_packed_copy` is this one).
