@@ -8,7 +8,7 @@ For each ``--batch``: one engine with the copies made (`--packed-rows 1`), ``--b
 prompts of 128 ids prefilled, then rounds of decode steps, each round once with the copies
 serving (threshold 1) and once without (threshold above the batch): the same weights, cache
 and sequences, so the machine's noise falls on both. Prints each one's median step and the
-ratio; `engine.models.quant_linear.AUTO_PACKED_ROWS` is the first batch where the copies
+ratio; `engine.models.linear_copies.AUTO_PACKED_ROWS` is the first batch where the copies
 win. Run it alone on the machine.
 """
 

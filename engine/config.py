@@ -73,11 +73,11 @@ class EngineConfig:
             INT8_TILE_ROWS (16) rows read); None = off; "auto" = 2 where the copies are
             the kernels' own bf16 and one-byte tiles (AVX512-BF16 or AMX) and take at most
             a quarter of the memory available
-            (`engine.models.quant_linear.auto_packed_rows`), else off.
+            (`engine.models.linear_copies.auto_packed_rows`), else off.
         rounded_copy_rows: steps (prefill chunks, mostly) of at least this many rows
             multiply every quantized linear but the output head by oneDNN's bf16 GEMM over a
             copy of its weight rounded to bf16 (about 2 bytes a parameter more, logged;
-            AVX-512 or AMX CPUs): faster than the exact tiles from ~128 rows, but not
+            AVX-512 or AMX CPUs): faster than the exact AMX tiles from ~150 rows, but not
             exact (8 significant bits a weight; `benchmarks/accuracy.py` measures it).
             None = off (the default).
         greedy_head: "auto" or "off": greedy rows (temperature 0, no logprobs, nothing

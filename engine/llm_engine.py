@@ -34,14 +34,14 @@ from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer,
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.model_runner import ModelRunner
 from ringserve.engine.models.greedy_head import GreedyHead
-from ringserve.engine.models.quant_linear import (
-    QuantLinear,
+from ringserve.engine.models.linear_copies import (
     auto_head_rows,
     auto_packed_rows,
     pack_head_copy,
     pack_linear_copies,
     pack_rounded_copies,
 )
+from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.engine.outputs import Request
 from ringserve.engine.request_check import (
     CheckedRequest,

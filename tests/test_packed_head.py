@@ -16,13 +16,10 @@ import torch
 from ringserve.engine import LLM, InvalidRequestError, SamplingParams
 from ringserve.engine.loading import load_model
 from ringserve.engine.loading.quantize import weight_bytes
-from ringserve.engine.models import quant_linear
+from ringserve.engine.models import linear_copies, quant_linear
+from ringserve.engine.models.linear_copies import pack_head_copy, pack_linear_copies
 from ringserve.engine.models.packed_linear import can_pack
-from ringserve.engine.models.quant_linear import (
-    QuantLinear,
-    pack_head_copy,
-    pack_linear_copies,
-)
+from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.kernels import cpu_isa, cpu_quant
 from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
 from tests.model_harness import RingHarness
@@ -195,12 +192,12 @@ def test_auto_packs_every_quantized_linear_where_the_tiles_are(
     one_byte = cpu_quant.has_int8_tiles()
     # with the one-byte copies (AVX-512) every linear from 2 rows; without, the head's bf16
     # copy from fewer rows than the layers' (it is half a small step)
-    rows = quant_linear.AUTO_INT8_ROWS if one_byte else quant_linear.AUTO_PACKED_ROWS
-    head_rows = quant_linear.AUTO_INT8_ROWS if one_byte else quant_linear.AUTO_PACKED_HEAD_ROWS
+    rows = linear_copies.AUTO_INT8_ROWS if one_byte else linear_copies.AUTO_PACKED_ROWS
+    head_rows = linear_copies.AUTO_INT8_ROWS if one_byte else linear_copies.AUTO_PACKED_HEAD_ROWS
     assert layers and all(m.packed_rows == rows and m.copies() for m in layers)
     assert all((m.tiles8 is not None) == one_byte for m in [*layers, head])
     assert head.packed_rows == head_rows and head.copies()
-    assert quant_linear.AUTO_PACKED_HEAD_ROWS < quant_linear.AUTO_PACKED_ROWS
+    assert linear_copies.AUTO_PACKED_HEAD_ROWS < linear_copies.AUTO_PACKED_ROWS
     assert f"packed rows auto: {rows}" in caplog.text
     assert ("one byte a value for steps of up to 16 rows" in caplog.text) == one_byte
     head_seen = _no_quantized_call_at(head, head_rows, monkeypatch)
@@ -238,7 +235,7 @@ def test_auto_stays_off_where_the_copies_would_not_pay(
         llm = LLM(str(path), dtype="float32", **kw)
     assert not any(m.copies() for m in _linears(llm))
     assert "packed rows auto: off (needs bf16 activations" in caplog.text
-    monkeypatch.setattr(quant_linear, "available_memory", lambda: 2**20)
+    monkeypatch.setattr(linear_copies, "available_memory", lambda: 2**20)
     caplog.clear()
     with caplog.at_level("INFO", logger="ringserve.engine"):
         llm = LLM(str(path), dtype="bfloat16", **kw)
@@ -249,7 +246,7 @@ def test_auto_stays_off_where_the_copies_would_not_pay(
         assert "no bf16 tiles" in caplog.text
     real = cpu_isa.info()
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="avx2"))
-    monkeypatch.setattr(quant_linear, "available_memory", lambda: 2**40)
+    monkeypatch.setattr(linear_copies, "available_memory", lambda: 2**40)
     caplog.clear()
     with caplog.at_level("INFO", logger="ringserve.engine"):
         llm = LLM(str(path), dtype="bfloat16", **kw)

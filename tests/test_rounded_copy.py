@@ -18,8 +18,9 @@ import torch
 from ringserve.engine import LLM, InvalidRequestError, SamplingParams
 from ringserve.engine.loading.quantize import weight_bytes
 from ringserve.engine.models import quant_linear
+from ringserve.engine.models.linear_copies import pack_rounded_copies
 from ringserve.engine.models.packed_linear import can_pack
-from ringserve.engine.models.quant_linear import QuantLinear, pack_rounded_copies
+from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.engine.startup import describe_cpu_kernels
 from ringserve.kernels import cpu_isa
 from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
