@@ -23,24 +23,24 @@ logger = logging.getLogger("ringserve.server")
 # uvicorn cancels what is still open: an orchestrator's grace period must cover both.
 ABORT_GRACE_S = 10
 
-def _rows_or_off(text: str | int) -> int | str:
-    """A row count or "off" (argparse names the flag when it is neither)."""
-    if str(text).lower() == "off":
-        return "off"
-    rows = int(text)
-    if rows < 1:
-        raise ValueError(text)
-    return rows
-
-
-def _rows_or_auto(text: str | int) -> int | str:
-    """A row count, "auto" or "off" (argparse names the flag when it is none of them)."""
-    if str(text).lower() in ("auto", "off"):
+def _row_count(text: str | int, words: tuple[str, ...]) -> int | str:
+    """A row count (>= 1) or one of ``words``; a ValueError otherwise."""
+    if str(text).lower() in words:
         return str(text).lower()
     rows = int(text)
     if rows < 1:
         raise ValueError(text)
     return rows
+
+
+def _rows_or_off(text: str | int) -> int | str:
+    """A row count or "off" (argparse names the flag when it is neither)."""
+    return _row_count(text, ("off",))
+
+
+def _rows_or_auto(text: str | int) -> int | str:
+    """A row count, "auto" or "off" (argparse names the flag when it is none of them)."""
+    return _row_count(text, ("auto", "off"))
 
 
 FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
@@ -75,8 +75,9 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "available memory; off"),
     ("rounded-copy-rows", _rows_or_off, "steps and prefill chunks of at least this many "
      "rows multiply every quantized linear but the head by oneDNN's bf16 GEMM over a copy "
-     "of its weight rounded to bf16 (faster from ~128 rows; inexact: 8 significant bits a "
-     "weight; about 2 bytes a parameter more, logged; AVX-512/AMX CPUs); default off"),
+     "of its weight rounded to bf16 (faster than the AMX tiles from ~150 rows; inexact: 8 "
+     "significant bits a weight; about 2 bytes a parameter more, logged; AVX-512/AMX "
+     "CPUs); default off"),
     ("greedy-head", str, "auto or off: greedy rows of multi-row steps take their token from "
      "an int8 pass over a one-byte copy of an int8 output head and the exact logits of the "
      "few rows that can be the maximum (the same token; AVX512-VNNI CPUs; copy logged)"),
