@@ -65,11 +65,13 @@ def paged_attention_cpu(
     sink_logits = None if sinks is None else sinks.float().contiguous()
     if compiled_prefill is None:
         compiled_prefill = cpu_isa.info().at_least("avx2")
+    # NOTE: once for both kernels (a step with prompt chunks and decodes copied v, a view of
+    # the fused projection, twice)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     if plan.prefill_index.numel() and compiled_prefill:
         ops().paged_prefill(
-            query.contiguous(), key.contiguous(), value.contiguous(), key_cache, value_cache,
-            tables, plan.prefill_index, result, scale, sliding_window or 0, ring_blocks or 0,
-            softcap or 0.0, sink_logits)  # fmt: skip
+            query, key, value, key_cache, value_cache, tables, plan.prefill_index, result,
+            scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0, sink_logits)
     elif plan.prefill_index.numel():
         args = Batch(query=query, key=key, value=value, key_cache=key_cache,
                      value_cache=value_cache, block_size=key_cache.shape[1],
@@ -82,9 +84,8 @@ def paged_attention_cpu(
         ops().paged_decode(
             # NOTE: the caches as they are (a copy would be read, not the cache): the kernel
             # takes any block stride (views of a slab, engine/kv_cache.py) and checks them
-            query.contiguous(), key.contiguous(), value.contiguous(), key_cache,
-            value_cache, tables, seqs, tokens, ctxs, result, scale, sliding_window or 0,
-            ring_blocks or 0, softcap or 0.0, sink_logits,
+            query, key, value, key_cache, value_cache, tables, seqs, tokens, ctxs, result,
+            scale, sliding_window or 0, ring_blocks or 0, softcap or 0.0, sink_logits,
         )  # fmt: skip
     if out is not None and out is not result:
         out.copy_(result)

@@ -34,6 +34,20 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def add_rms_norm(res: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``res + rms_norm(x, scale, eps)`` in one pass, rounded as the two ops are (the norm's
+    output to x's dtype, then the add): a residual add after a post-norm.
+
+    Args:
+        res: contiguous, x's shape and dtype.
+        x: [..., d] with a unit last stride.
+    """
+    d = x.shape[-1]
+    out: torch.Tensor = ops().add_rms_norm(res.reshape(-1, d), x.reshape(-1, d), scale, eps)
+    return out.view(x.shape)
+
+
 def norm_rope(x: torch.Tensor, scale: torch.Tensor | None, cos: torch.Tensor,
               sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per head: an optional RMSNorm (``scale`` float32 [d]) then the half-split rotary
