@@ -9,6 +9,7 @@ import torch
 
 from ringserve.block_manager import KVCacheSpec, group_layers, ring_slack
 from ringserve.engine.models import KVCaches, ModelConfig
+from ringserve.kernels.hugepages import huge_zeros
 
 
 def kv_cache_spec(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
@@ -60,7 +61,11 @@ def allocate_kv_caches(
     A layer that attends to another's K/V (``kv_source``) gets that layer's views.
     """
     slab = spec.block_size * spec.slab_row
-    slabs = [torch.zeros((num_blocks, slab), dtype=dtype, device=device) for _ in range(2)]
+    # NOTE: on the CPU on 2 MiB pages where Linux offers them: a decode step reads every
+    # sequence's window of K/V (docs/cpu.md, "Huge pages for the copies a step streams")
+    slabs = [huge_zeros((num_blocks, slab), dtype) if torch.device(device).type == "cpu"
+             else torch.zeros((num_blocks, slab), dtype=dtype, device=device)
+             for _ in range(2)]
     caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
     for group in spec.groups:
         size = spec.block_size * group.row

@@ -40,6 +40,7 @@ from ringserve.engine.models.linear_copies import (
     pack_head_copy,
     pack_linear_copies,
     pack_rounded_copies,
+    place_on_huge_pages,
 )
 from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.engine.outputs import Request
@@ -118,6 +119,8 @@ class LLMEngine:
                     logger.info("%s", pack(self.model, rows, self.dtype))
                 except ValueError as err:
                     raise InvalidRequestError(str(err), param=param) from None
+        if self.device.type == "cpu":
+            logger.info("%s", place_on_huge_pages(self.model))
         greedy = self._greedy_head(config.greedy_head)
         self.weight_bytes = weight_bytes(self.model)
         logger.info("%s", self.weight_bytes.describe())

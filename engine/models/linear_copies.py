@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringserve.engine.models import quant_linear
 from ringserve.engine.models.packed_linear import can_pack
 from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
-from ringserve.kernels import cpu_quant
+from ringserve.kernels import cpu_quant, hugepages
 
 
 def pack_head_copy(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
@@ -176,3 +177,46 @@ def _check_packable(flag: str, dtype: torch.dtype, device: torch.device) -> None
         raise ValueError(f"{flag} needs bf16 activations and a CPU whose oneDNN packs bf16 "
                          "(AVX-512 or AMX; not an AVX2-only CPU or a RINGSERVE_CPU_ISA cap "
                          "below avx512)")
+
+
+_BUFFERS = ("qweight", "scale_bits", "min_bits")
+
+
+def place_on_huge_pages(model: nn.Module) -> str:
+    """Move every CPU `QuantLinear`'s compact weight (values, scales, mins) and the copies
+    `pack_*` gave it (our tiles) into one `hugepages.HugeArena`; what was done, for the log.
+
+    A decode step streams them from memory, and with 4 KiB pages in a virtual machine each
+    4 KiB is a TLB miss that walks two page tables (docs/cpu.md, "Huge pages for the
+    copies a step streams"). Each tensor is copied and its module's reference replaced
+    before the next, so memory peaks at the arena plus one tensor. oneDNN's packed copies
+    (opaque tensors) stay where oneDNN put them.
+    """
+    layers = [m for m in model.modules()
+              if isinstance(m, QuantLinear) and m.qweight.device.type == "cpu"]
+    if not layers:
+        return "huge pages: no quantized linears on the CPU"
+    if not hugepages.offered():
+        return ("huge pages: not offered (transparent huge pages are never here, or "
+                "RINGSERVE_HUGE_PAGES=0): the quantized weights keep 4 KiB pages")
+
+    def tensors(m: QuantLinear) -> list[torch.Tensor]:
+        own = [t for t in (getattr(m, name) for name in _BUFFERS) if t is not None]
+        return [*own, *(m.tiles or ()), *(m.tiles8 or ())]
+
+    arena = hugepages.HugeArena(sum(hugepages.HugeArena.span(t)
+                                    for m in layers for t in tensors(m)))
+    for m in layers:
+        for name in _BUFFERS:
+            t = getattr(m, name)
+            if t is not None:
+                setattr(m, name, arena.place(t))
+        if m.tiles is not None:
+            m.tiles = tuple(arena.place(t) for t in m.tiles)
+        if m.tiles8 is not None:
+            m.tiles8 = tuple(arena.place(t) for t in m.tiles8)
+        m._qw = None  # the layout object viewed the old buffers
+    quant_linear.copies_moved()
+    return (f"huge pages: {len(layers)} quantized linears' weights and copies in one mapping "
+            f"advised for 2 MiB pages ({arena.nbytes / 2**20:.1f} MiB; RINGSERVE_HUGE_PAGES=0 "
+            "keeps 4 KiB pages)")

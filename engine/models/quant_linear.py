@@ -295,6 +295,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 _copies = [0]  # copies made so far in this process (`copy_epoch`)
 
 
+def copies_moved() -> None:
+    """The linears' weights or copies were replaced by others holding the same values
+    (`engine.models.linear_copies.place_on_huge_pages`): paths chosen with the old tensors
+    are chosen again (`copy_epoch`)."""
+    _copies[0] += 1
+
+
 def copy_epoch() -> int:
     """How many linears have been given a copy (`QuantLinear.add_packed_copy`) so far: a
     path chosen before a copy was made (`engine.models.fast_decode`) is chosen again."""
