@@ -61,7 +61,7 @@ def main() -> None:
         sys.exit("transparent huge pages are not offered here: nothing to compare")
     if args.what == "weights":
         layers = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
-        names = ("qweight", "scale_bits", "min_bits", "tiles", "tiles8")
+        names = (*linear_copies.MOVED_BUFFERS, *linear_copies.MOVED_COPIES)
 
         def snapshot() -> list[dict[str, object]]:
             return [{n: getattr(m, n) for n in names} for m in layers]

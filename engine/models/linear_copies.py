@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -179,7 +181,22 @@ def _check_packable(flag: str, dtype: torch.dtype, device: torch.device) -> None
                          "below avx512)")
 
 
-_BUFFERS = ("qweight", "scale_bits", "min_bits")
+# what `place_on_huge_pages` moves of each `QuantLinear`: buffers, then tuples of copies
+MOVED_BUFFERS = ("qweight", "scale_bits", "min_bits")
+MOVED_COPIES = ("tiles", "tiles8")
+
+
+def _move(m: QuantLinear, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace each tensor `place_on_huge_pages` moves of ``m`` by ``place(it)``."""
+    for name in MOVED_BUFFERS:
+        t = getattr(m, name)
+        if t is not None:
+            setattr(m, name, place(t))
+    for name in MOVED_COPIES:
+        copies = getattr(m, name)
+        if copies is not None:
+            setattr(m, name, tuple(place(t) for t in copies))
+    m._qw = None  # the layout object viewed the old buffers
 
 
 def place_on_huge_pages(model: nn.Module) -> str:
@@ -199,23 +216,17 @@ def place_on_huge_pages(model: nn.Module) -> str:
     if not hugepages.offered():
         return ("huge pages: not offered (transparent huge pages are never here, or "
                 "RINGSERVE_HUGE_PAGES=0): the quantized weights keep 4 KiB pages")
+    spans: list[int] = []
 
-    def tensors(m: QuantLinear) -> list[torch.Tensor]:
-        own = [t for t in (getattr(m, name) for name in _BUFFERS) if t is not None]
-        return [*own, *(m.tiles or ()), *(m.tiles8 or ())]
+    def measured(t: torch.Tensor) -> torch.Tensor:
+        spans.append(hugepages.HugeArena.span(t))
+        return t
 
-    arena = hugepages.HugeArena(sum(hugepages.HugeArena.span(t)
-                                    for m in layers for t in tensors(m)))
+    for m in layers:  # the same walk as the move, each tensor given back as it was
+        _move(m, measured)
+    arena = hugepages.HugeArena(sum(spans))
     for m in layers:
-        for name in _BUFFERS:
-            t = getattr(m, name)
-            if t is not None:
-                setattr(m, name, arena.place(t))
-        if m.tiles is not None:
-            m.tiles = tuple(arena.place(t) for t in m.tiles)
-        if m.tiles8 is not None:
-            m.tiles8 = tuple(arena.place(t) for t in m.tiles8)
-        m._qw = None  # the layout object viewed the old buffers
+        _move(m, arena.place)
     quant_linear.copies_moved()
     return (f"huge pages: {len(layers)} quantized linears' weights and copies in one mapping "
             f"advised for 2 MiB pages ({arena.nbytes / 2**20:.1f} MiB; RINGSERVE_HUGE_PAGES=0 "
