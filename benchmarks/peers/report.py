@@ -30,6 +30,15 @@ def _tok_s(row: dict[str, Any], i: int) -> float | None:
     return ms[i]["output_tok_s"] if i < len(ms) and ms[i]["ok"] else None
 
 
+def _read_note(meta: dict[str, Any]) -> str:
+    """How the memory read was measured: by page size where the run measured both."""
+    pages = meta.get("bandwidth_by_page_gb_s")
+    if not pages:  # (runs before the page sizes were measured apart)
+        return "256 MB torch sum, 2 threads"
+    return ("the faster of a 256 MB torch sum, 2 threads, on each page size: "
+            + ", ".join(f"{v:.1f} on {k} pages" for k, v in pages.items()))
+
+
 def markdown(data: dict[str, Any]) -> str:
     meta, rows, concs = data["meta"], data["rows"], data["meta"]["concurrency"]
     vllm = next((r for r in rows if r["kind"] == "vllm" and not r["error"]), None)
@@ -41,7 +50,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"# ringserve and its peers on {meta['model']}" + (" (quick run)" if meta["quick"] else ""),
         "",
         f"{meta['date']}; {meta['machine']}; memory read {meta['bandwidth_gb_s']:.1f} GB/s "
-        "(256 MB torch sum, 2 threads). Each server alone on the machine, started, loaded "
+        f"({_read_note(meta)}). Each server alone on the machine, started, loaded "
         "and stopped in turn. Load: `benchmarks/serve_bench.py`, "
         f"{meta['input_len']} random prompt token ids, {meta['output_len']} output tokens, "
         + ("greedy" if not meta.get("temperature") else

@@ -229,8 +229,11 @@ def main() -> None:
     folder = hf_folder()
     params = parameter_count(folder)
     machine_load.wait_quiet(None, args.quiet_wait)
-    bandwidth = read_limit.read_bandwidth()
-    log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; {params:,} parameters")
+    pages = read_limit.read_bandwidths()
+    bandwidth = max(pages.values())
+    log(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s ("
+        + ", ".join(f"{v / 1e9:.1f} on {k} pages" for k, v in pages.items())
+        + f"); {params:,} parameters")
     context = load.INPUT_LEN + load.OUTPUT_LEN // 2
     rounds: dict[str, list[dict[str, Any]]] = {row.name: [] for row in rows}
     for rnd in range(args.rounds):
@@ -263,7 +266,9 @@ def main() -> None:
                             capture_output=True, text=True, check=False).stdout.strip()
     data = {"meta": {
         "model": MODEL, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": machine(),
-        "bandwidth_gb_s": bandwidth / 1e9, "parameters": params, "quick": args.quick,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_by_page_gb_s": {k: v / 1e9 for k, v in pages.items()},
+        "parameters": params, "quick": args.quick,
         "concurrency": args.concurrency, "prompts": args.prompts,
         "input_len": load.INPUT_LEN, "output_len": load.OUTPUT_LEN, "context_tokens": context,
         "temperature": load.TEMPERATURE,
