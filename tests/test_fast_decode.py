@@ -57,17 +57,20 @@ def _run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fast: bool,
     return tokens, logprobs, len(runs)
 
 
-# (the tiny models' MLP is 96 wide, which the compiled GELU pass does not take; 128 does;
-# float32 rows with int16 activations are the AVX2 class's default). The last column: whether
-# every linear takes int16 activations, so that the loop runs in C++ (decode_layers.cpp)
-# where the build has the float32 GELU pass: with int4 the 96-wide down_proj stays float
-# (its k is no multiple of 64).
+# (the tiny models' MLP is 96 wide, which the compiled bf16 GELU pass does not take; 128
+# does; float32 rows with int16 activations are the AVX2 class's default). The last column:
+# whether every linear is one compiled op and the GELU a compiled pass, so that the loop
+# runs in C++ (decode_layers.cpp): float32 rows over int16 activations, or bf16 rows over
+# the few-row linears (with --packed-rows 2, only the steps of one row: the one-row
+# decodes at the end); with int4 the 96-wide down_proj stays float (its k is no multiple of
+# 64).
 CASES = [("gemma3_text", "int8", None, None, "bfloat16", False),
          ("gemma3_text", "int4", None, None, "bfloat16", False),
          ("gemma3_text", "none", None, None, "bfloat16", False),
          ("gemma2", "int8", None, None, "bfloat16", False),
          ("gemma3_text", "int8", 2, None, "bfloat16", False),
-         ("gemma3_text", "int8", None, 128, "bfloat16", False),
+         ("gemma3_text", "int8", None, 128, "bfloat16", True),
+         ("gemma3_text", "int8", 2, 128, "bfloat16", True),
          ("gemma3_text", "int8", None, 128, "float32", True),
          ("gemma3_text", "int8", None, None, "float32", True),
          ("gemma3_text", "int4", None, None, "float32", False)]
@@ -99,9 +102,9 @@ def test_the_fast_layers_give_the_modules_bits(cpu_variant: str, tmp_path: pathl
     assert fast_tokens == tokens
     assert fast_logprobs == logprobs
     assert (ran > 0) == cpu_build.available()  # the decode-only steps took the fast path
-    # float32 rows over int16 activations run the loop in C++ (decode_layers.cpp) where the
-    # build has the float32 GELU pass; made once (the norms' scales do not change)
-    compiled = loop and cpu_act.f32_op() is not None
+    # the loop runs in C++ (decode_layers.cpp) where the build has the GELU pass of the
+    # rows' dtype; made once (the norms' scales do not change)
+    compiled = loop and (cpu_act.f32_op() if dtype == "float32" else cpu_act._op()) is not None
     assert built == ([1] if compiled else [])
     if compiled:  # and the Python loop it replaces gives the same bits
         py_tokens, py_logprobs, _ = _run(path, monkeypatch, True, compiled=False, **kwargs)

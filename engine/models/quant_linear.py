@@ -201,15 +201,30 @@ class QuantLinear(nn.Module):
             out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def int16_args(self, dtype: torch.dtype) -> tuple[Any, ...] | None:
-        """What `fixed_forward`'s int16-activation call passes after the rows (weight,
-        scales, mins, bits, group, bias), where that is the call it makes for rows of
-        ``dtype``; else None. For a caller that makes the call itself (the compiled decode
-        layers, `engine.models.fast_decode`)."""
-        if dtype != torch.float32 or not self.int16_acts:
-            return None
+    def direct_call(self, dtype: torch.dtype) -> tuple[str, int, int | None,
+                                                        tuple[Any, ...]] | None:
+        """The compiled call `fixed_forward` makes for rows of ``dtype`` in steps that no
+        copy serves, for a caller that makes the call itself (the compiled decode layers,
+        `engine.models.fast_decode`): (the op's name, its ``tile_rows`` argument (-1: it
+        has none), the row count from which a copy's path takes over instead (None: no
+        copy), and the arguments after the rows: weight, scales, mins, bits, group, bias).
+        None where that call is not one op of ours (float32 rows without int16
+        activations, oneDNN's packed copy, no compiled kernel)."""
         qw = self.qw
-        return qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, self.bias
+        args = (qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, self.bias)
+        if dtype == torch.float32:
+            return ("int16_act_linear", -1, None, args) if self.int16_acts else None
+        if dtype != torch.bfloat16 or self.packed is not None or not self.kernel:
+            return None
+        # (as `_fixed_forward` chooses `few`, and where its copies take over)
+        if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
+            name, tile_rows = "quant_linear", TILE_ROWS
+        else:
+            name, tile_rows = "compact_linear", min(TILE_ROWS, 8)
+        above = [t for t, copy in ((self.packed_rows, self.tiles),
+                                   (self.rounded_rows, self.rounded))
+                 if t is not None and copy is not None]
+        return name, tile_rows, min(above) if above else None, args
 
     def fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for 2-D rows of ``dtype``, its choices made now: the kernel call it

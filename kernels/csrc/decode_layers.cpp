@@ -1,6 +1,8 @@
 // A decode step's layers in one call from Python: engine/models/fast_decode.py's flat
-// sequence of ops, run as a loop here for the path where every op is one of ours (float32
-// rows over int16-activation linears: the AVX2 class's default).
+// sequence of ops, run as a loop here for the paths where every op is one of ours: float32
+// rows over int16-activation linears (the AVX2 class's default), and bf16 rows over the
+// few-row quantized linears (`quant_linear`, or `compact_linear` without AVX512-BF16) in
+// steps too small for the linears' copies (one decode row, with the served defaults).
 //
 // Why: at one decode row, a layer's 14 op calls from Python cost ~2-3 us each before any
 // work (argument parsing against the schema, the Python loop around them): ~0.7 ms of a
@@ -66,8 +68,18 @@ constexpr size_t kTensors = 22, kFloats = 8, kInts = 14;
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
+  // linear: the op every linear calls ("int16_act_linear" for float32 rows, else
+  // "quant_linear" or "compact_linear" for bf16 rows, called with `tile_rows`); gelu_table:
+  // the bf16 GELU's table (cpu_act.table()), empty for float32 rows.
   DecodeLayers(std::vector<at::Tensor> tensors, std::vector<double> floats,
-               std::vector<int64_t> ints) {
+               std::vector<int64_t> ints, std::string linear, int64_t tile_rows,
+               at::Tensor gelu_table)
+      : int16_(linear == "int16_act_linear"), compact_(linear == "compact_linear"),
+        tile_rows_(tile_rows), gelu_table_(std::move(gelu_table)) {
+    TORCH_CHECK(int16_ || compact_ || linear == "quant_linear",
+                "DecodeLayers: no linear op ", linear);
+    TORCH_CHECK(int16_ || gelu_table_.numel() == 65536,
+                "DecodeLayers: bf16 rows need the GELU's table of every bf16 value");
     const size_t n = tensors.size() / kTensors;
     TORCH_CHECK(n > 0 && tensors.size() == n * kTensors && floats.size() == n * kFloats &&
                     ints.size() == n * kInts,
@@ -102,7 +114,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     }
   }
 
-  // x: [n, hidden] float32, one decode token a row (row i is sequence i's); cos, sin: the
+  // x: [n, hidden] float32 (or bf16: see the constructor's `linear`), one decode token a
+  // row (row i is sequence i's); cos, sin: the
   // rotary tables by index; tables, slots, rings: each layer group's int32 block tables,
   // slot mapping and ring width (0: none); caches: layer l's key and value caches at 2l and
   // 2l + 1. Returns the last layer's output.
@@ -115,6 +128,8 @@ class DecodeLayers : public torch::CustomClassHolder {
                     cos.size() == sin.size(),
                 "DecodeLayers.run: a table, slots and ring per group; cos and sin alike");
     const int64_t n = x.size(0);
+    TORCH_CHECK(x.scalar_type() == (int16_ ? at::kFloat : at::kBFloat16),
+                "DecodeLayers.run: rows of the dtype its linears were chosen for");
     x = x.contiguous();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
@@ -136,18 +151,36 @@ class DecodeLayers : public torch::CustomClassHolder {
                              L.norm[1], L.eps[1]);
       const std::vector<at::Tensor> gate_up =
           linear(L.linear[2], rms_norm_.call(x, L.norm[2], L.eps[2])).chunk(2, -1);
-      x = add_rms_norm_.call(x, linear(L.linear[3], gelu_.call(gate_up[0], gate_up[1])),
-                             L.norm[3], L.eps[3]);
+      const at::Tensor act = int16_ ? gelu_.call(gate_up[0], gate_up[1])
+                                    : gelu_bf16_.call(gate_up[0], gate_up[1], gelu_table_);
+      x = add_rms_norm_.call(x, linear(L.linear[3], act), L.norm[3], L.eps[3]);
     }
     return x;
   }
 
  private:
   at::Tensor linear(const Linear& lin, const at::Tensor& x) const {
+    if (compact_)
+      return compact_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
+                                  lin.bias, tile_rows_);
+    if (!int16_)
+      return quant_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
+                                lin.bias, tile_rows_);
     return int16_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
                               lin.bias);
   }
 
+  // (the two few-row linears of bf16 rows: compact_linear's scales are optional)
+  using QuantLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const Opt&, int64_t, int64_t, const Opt&, int64_t);
+  using CompactLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&,
+                                   const Opt&, int64_t, int64_t, const Opt&, int64_t);
+  bool int16_ = true, compact_ = false;
+  int64_t tile_rows_ = 0;
+  at::Tensor gelu_table_;
+  c10::TypedOperatorHandle<QuantLinear> quant_linear_ = our_op<QuantLinear>("quant_linear");
+  c10::TypedOperatorHandle<CompactLinear> compact_linear_ =
+      our_op<CompactLinear>("compact_linear");
   std::vector<Layer> layers_;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm_ =
       our_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("rms_norm");
@@ -177,12 +210,16 @@ class DecodeLayers : public torch::CustomClassHolder {
                                         const Opt&)>("int16_act_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> gelu_ =
       our_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("gelu_tanh_mul_f32");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      gelu_bf16_ = our_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "gelu_tanh_mul");
 };
 
 }  // namespace
 
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>,
+                       std::string, int64_t, at::Tensor>())
       .def("run", &DecodeLayers::run);
 }
