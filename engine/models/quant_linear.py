@@ -193,12 +193,9 @@ class QuantLinear(nn.Module):
             out = cpu_quant.quant_linear_tiles(flat, self.tiles, self.qw, self.bias)
         elif copy and self.packed is not None:
             out = onednn_linear(flat, self.packed, self.bias)
-        elif self.int16_acts and flat.dtype == torch.float32:
-            out = cpu_quant.int16_act_linear(flat, self.qw, self.bias)
-        elif self.kernel and flat.dtype in (torch.bfloat16, torch.float32):
-            out = cpu_quant.quant_linear(flat, self.qw, self.bias, TILE_ROWS)
         else:
-            out = F.linear(flat, dequantize(self.qw, flat.dtype), self.bias)
+            out = uncopied_linear(flat, self.qw, self.bias, kernel=self.kernel,
+                                  int16_acts=self.int16_acts)
         return out.view(*x.shape[:-1], self.out_features)
 
     def direct_call(self, dtype: torch.dtype) -> tuple[str, int, int | None,
@@ -294,6 +291,22 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group={self.group}")  # fmt: skip
+
+
+def uncopied_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, *,
+                    kernel: bool, int16_acts: bool) -> torch.Tensor:
+    """``x`` (2-D) by ``qw`` as `QuantLinear.forward` multiplies a step that none of its
+    copies serves, for a layer with these `kernel` and `int16_acts` flags (also the greedy
+    head's exact logits of a few vocabulary rows, `engine.models.greedy_head`, which need
+    no module around the rows)."""
+    out: torch.Tensor
+    if int16_acts and x.dtype == torch.float32:
+        out = cpu_quant.int16_act_linear(x, qw, bias)
+    elif kernel and x.dtype in (torch.bfloat16, torch.float32):
+        out = cpu_quant.quant_linear(x, qw, bias, TILE_ROWS)
+    else:
+        out = F.linear(x, dequantize(qw, x.dtype), bias)
+    return out
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
