@@ -195,7 +195,7 @@ class GreedyHead:
         head = self.head
         rows = head.qw.rows(union)
         if head.packed_rows is None or len(x) < head.packed_rows:
-            # NOTE: no module: making one cost ~0.3-0.5 ms of a one-row step, with the
+            # NOTE: no module: making one cost ~0.5 ms of a one-row step, with the
             # caches the step's weights just swept
             return uncopied_linear(x, rows, None, kernel=head.kernel,
                                    int16_acts=head.int16_acts)
