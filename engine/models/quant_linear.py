@@ -245,14 +245,9 @@ class QuantLinear(nn.Module):
         """`fixed_forward` before the rounded copy's steps."""
         ops = cpu_build.ops()
         qw, bias, n = self.qw, self.bias, self.out_features
-        if dtype == torch.float32:  # the copies serve bf16 rows only
-            if self.int16_acts:
-                def int16(x: torch.Tensor) -> torch.Tensor:
-                    out: torch.Tensor = ops.int16_act_linear(x, qw.qweight, qw.scales, qw.mins,
-                                                             qw.bits, qw.group, bias)
-                    return out
-                return int16
-            if not self.kernel:
+        call = self.direct_call(dtype)  # (the one choice of op, shared with the compiled loop)
+        if call is None:
+            if dtype != torch.float32 or not self.kernel:
                 return None
 
             def widened(x: torch.Tensor) -> torch.Tensor:
@@ -260,18 +255,18 @@ class QuantLinear(nn.Module):
                                                        qw.bits, qw.group, bias, min(TILE_ROWS, 8))
                 return out
             return widened
-        if dtype != torch.bfloat16 or self.packed is not None or not self.kernel:
-            return None
-        if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
+        name, tile_rows, _, args = call
+        op = getattr(ops, name)
+        if tile_rows < 0:  # (int16_act_linear: no tile_rows)
             def few(x: torch.Tensor) -> torch.Tensor:
-                out: torch.Tensor = ops.quant_linear(x, qw.qweight, qw.scales, qw.mins,
-                                                     qw.bits, qw.group, bias, TILE_ROWS)
+                out: torch.Tensor = op(x, *args)
                 return out
         else:
             def few(x: torch.Tensor) -> torch.Tensor:
-                out: torch.Tensor = ops.compact_linear(x, qw.qweight, qw.scales, qw.mins,
-                                                       qw.bits, qw.group, bias, min(TILE_ROWS, 8))
+                out: torch.Tensor = op(x, *args, tile_rows)
                 return out
+        if dtype == torch.float32:  # the copies serve bf16 rows only
+            return few
         tiles, tiles8, threshold = self.tiles, self.tiles8, self.packed_rows
         if tiles is None or threshold is None:
             return few
