@@ -80,6 +80,10 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
     one = 320 * 128 + 320 * 4 * 2 * sets if tiles and one_byte else 0
     assert size == (320 * 128 * 2 + 320 * 4 * 4 * sets + one if tiles else 300 * 128 * 2)
     assert (layer.tiles8 is not None) == (tiles and one_byte)
+    # an int8 weight's one-byte copy (its own bytes in the tiles' order) serves it from one
+    # row; a 4-bit weight's (twice its bytes) from the copies' rows
+    from_one = kind == "int8" and tiles and one_byte
+    assert layer.copy_for(1, torch.bfloat16) == ("tiles8" if from_one else None)
     seen = _no_quantized_call_at(layer, 16, monkeypatch)
     exact, rounded = dequantize(qw).double(), dequantize(qw, torch.bfloat16).double()
     for rows in (1, 15, 16, 17, 40):
@@ -91,11 +95,12 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
         ref = x.double() @ dense.T
         bound = ref.abs() * 2**-8 + (x.double().abs() @ dense.abs().T) * 2**-16 + 1e-6
         assert bool(((out.double() - ref).abs() <= bound).all()), rows
-        if tiles and rows == 16 and one_byte:  # the int16 blocks' sums
+        if tiles and one_byte and (rows == 16 or (from_one and rows < 16)):
+            # the int16 blocks' sums
             assert torch.equal(out, cpu_quant.int8_tiles_linear(x, layer.tiles8, qw, None))
         elif tiles and rows >= 16:  # the sums of the many-row path that widens every call
             assert torch.equal(out, real_quant_linear(x, qw, None, 0))
-    assert seen == ([1, 15] if layer.kernel else [])
+    assert seen == ([1, 15] if layer.kernel and not from_one else [])
 
 
 @packs
@@ -114,7 +119,10 @@ def test_a_model_with_the_packed_head_is_as_close_to_transformers(
     seen = _no_quantized_call_at(head, 2, monkeypatch)
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
     assert_as_close_as_bf16(path, ids, got, expected)
-    assert 1 in seen  # the one-row steps kept the quantized head
+    # the one-row steps kept the quantized head, or (AVX-512) its one-byte copy: an int8
+    # weight's own bytes
+    assert (1 in seen) == (head.copy_for(1, torch.bfloat16) is None)
+    assert (head.copy_for(1, torch.bfloat16) == "tiles8") == cpu_quant.has_int8_tiles()
 
 
 @pytest.mark.parametrize(("flag", "without"), [("packed_head_rows", "quantized output head"),
@@ -143,7 +151,8 @@ def test_the_flags_say_where_they_cannot_work(tmp_path: pathlib.Path,
 def test_every_quantized_linear_runs_its_copy_in_large_steps(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--packed-rows``: steps of 2+ rows never reach the quantized kernel; one-row steps
-    do; the logits stay as close to transformers as the quantized model's."""
+    do, unless (AVX-512) the int8 weights' one-byte copies serve them; the logits stay as
+    close to transformers as the quantized model's."""
     path, ids, expected, model = int8_model(tmp_path, seed=6)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     before = weight_bytes(model)
@@ -158,7 +167,11 @@ def test_every_quantized_linear_runs_its_copy_in_large_steps(
     rows_seen = _no_quantized_call_at(None, 2, monkeypatch)
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
     assert_as_close_as_bf16(path, ids, got, expected)
-    assert rows_seen and set(rows_seen) == {1}
+    if cpu_quant.has_int8_tiles():
+        assert rows_seen == []
+        assert all(m.copy_for(1, torch.bfloat16) == "tiles8" for m in layers)
+    else:
+        assert rows_seen and set(rows_seen) == {1}
 
 
 @packs

@@ -23,9 +23,10 @@ Where every op of a layer is one of our compiled ones, the loop itself runs in C
 (`kernels/csrc/decode_layers.cpp`): the same op calls through torch's dispatcher, without
 ~2-3 us of Python a call (~0.7 ms of a one-row step of gemma-3-270m on a Zen 3). That is
 float32 rows over int16-activation linears with the compiled float32 GELU (the AVX2 class's
-default), and bf16 rows over the few-row quantized linears with the compiled bf16 GELU in
-steps smaller than any linear's copies serve (`QuantLinear.direct_call`: one row, with the
-served defaults). ``RINGSERVE_DECODE_LAYERS=0`` keeps the loop here (to compare the two).
+default), and bf16 rows over the few-row quantized linears (or an int8 weight's one-byte
+copy) with the compiled bf16 GELU in steps below the row count from which any linear's call
+changes (`QuantLinear.direct_call`: one row, with the served defaults).
+``RINGSERVE_DECODE_LAYERS=0`` keeps the loop here (to compare the two).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ from ringserve.kernels.cpu_attention import dense_rows
 logger = logging.getLogger("ringserve.engine")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+# The linears' ops the compiled loop calls, as decode_layers.cpp's enum Op numbers them.
+LINEAR_OPS = {"int16_act_linear": 0, "quant_linear": 1, "compact_linear": 2,
+              "int8_tiles_linear": 3}
 
 
 def enabled() -> bool:
@@ -100,9 +104,10 @@ class _Layer:
     gate_up: Linear
     down: Linear
     act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # the four linears' call arguments after the rows (`QuantLinear.direct_call`) where
-    # the layer can run in the compiled loop (its GELU a compiled pass too)
-    direct: list[tuple[Any, ...]] | None = None
+    # the four linears' calls (`QuantLinear.direct_call`: op, tile_rows, the row count
+    # from which another call serves, the arguments after the rows) where the layer can
+    # run in the compiled loop (its GELU a compiled pass too)
+    direct: list[tuple[str, int, int | None, tuple[Any, ...]]] | None = None
     mods: list[RMSNorm] = field(default_factory=list)  # the four, then q_norm and k_norm
     scales: tuple[torch.Tensor, ...] = ()
     # what the step reads of the modules, read once here: every read of a module attribute
@@ -129,7 +134,7 @@ class FastDecode:
     """The decode path of one model's layers (None from `build` where it does not apply)."""
 
     def __init__(self, layers: list[_Layer], ops: Any, dtype: torch.dtype,
-                 linear: tuple[str, int, int | None] | None = None) -> None:
+                 below: int | None = None) -> None:
         self.layers = layers
         self.ops = ops
         self.dtype = dtype
@@ -140,12 +145,10 @@ class FastDecode:
         self._rows: dict[int, torch.Tensor] = {}  # arange(n) int64: decode rows' indices
         self._caches: list[Any] | None = None  # the caches `takes` last found fit
         # the compiled loop (`decode_layers.cpp`) where every layer can take it: made on the
-        # first step, again when the norms' scales are fetched again
-        # (the linears' op, its tile_rows, and the row count from which a copy serves a
-        # linear instead: steps of that many rows run the Python loop)
-        self._compiled_ok = linear is not None and all(layer.direct is not None
-                                                       for layer in layers)
-        self._linear = linear
+        # first step, again when the norms' scales are fetched again; steps of `below` rows
+        # or more (where some linear's call changes) run the Python loop
+        self._compiled_ok = all(layer.direct is not None for layer in layers)
+        self._below = below
         self._compiled: Any = None
         self._compiled_ropes: list[int] = []
         self._flat: tuple[list[Any], list[torch.Tensor]] | None = None  # caches, flattened
@@ -170,17 +173,20 @@ class FastDecode:
             scales = layer.scales
             tensors += [*scales[:4], *((scales[4], scales[5]) if qk_norm else (none, none))]
             assert layer.direct is not None
-            for weight, wscales, mins, _bits, _group, bias in layer.direct:
-                tensors += [weight, wscales, none if mins is None else mins,
-                            none if bias is None else bias]
+            ints += [heads, kv_heads, dim, group, window, ropes[i]]
+            for name, tile_rows, _, args in layer.direct:
+                if name == "int8_tiles_linear":  # (the copy's three tensors, its shape)
+                    tiles, tscales, tmins, bits, wgroup, n, bias = args
+                    tensors += [tiles, tscales, tmins]
+                else:
+                    weight, wscales, mins, bits, wgroup, bias = args
+                    tensors += [weight, wscales, none if mins is None else mins]
+                    n = weight.shape[0]
+                tensors.append(none if bias is None else bias)
+                ints += [LINEAR_OPS[name], bits, wgroup, n, tile_rows]
             floats += [*layer.eps, scale, softcap]
-            ints += [heads, kv_heads, dim, group, window, ropes[i],
-                     *(v for args in layer.direct for v in (args[3], args[4]))]
-        assert self._linear is not None
-        name, tile_rows, _ = self._linear
         table = cpu_act.table() if self.dtype == torch.bfloat16 else none
-        return getattr(torch.classes, self.ops.name).DecodeLayers(tensors, floats, ints, name,
-                                                                  tile_rows, table)
+        return getattr(torch.classes, self.ops.name).DecodeLayers(tensors, floats, ints, table)
 
     @staticmethod
     def signature(model: Any) -> tuple[Any, ...]:
@@ -203,7 +209,7 @@ class FastDecode:
             return None
         ops = cpu_build.ops()
         layers = []
-        linear: tuple[str, int, int | None] | None = None  # the linears' op (`__init__`)
+        tops: list[int] = []  # row counts from which some linear's call changes
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if (layer.placement != "sandwich" or layer.moe is not None
@@ -232,31 +238,31 @@ class FastDecode:
                 m.direct_call(dtype) if isinstance(m, QuantLinear) else None for m in modules]
             act_mul = _act_mul(mlp, dtype)
             compiled_act = cpu_act.f32_op() if f32 else cpu_act._op()
-            kinds = {c[:2] for c in calls if c is not None}
             direct = None
-            # the compiled loop: every linear one op of ours, the same in every layer, and
-            # the GELU the compiled pass `_act_mul` chose
+            # the compiled loop: every linear one op of ours (for bf16 rows a few-row op or
+            # the one-byte copy's, for float32 rows int16_act_linear: `direct_call`), and the
+            # GELU the compiled pass `_act_mul` chose
             if (mlp.gelu_tanh and compiled_act is not None and (f32 or act_mul is compiled_act)
-                    and None not in calls and len(kinds) == 1
-                    and (linear is None or kinds == {linear[:2]})):
-                tops = [c[2] for c in calls if c is not None and c[2] is not None]
-                if linear is not None and linear[2] is not None:
-                    tops.append(linear[2])
-                name, tile_rows = next(iter(kinds))
-                linear = (name, tile_rows, min(tops, default=None))
-                direct = [c[3] for c in calls if c is not None]
+                    and all(c is not None and c[0] in LINEAR_OPS for c in calls)):
+                direct = [c for c in calls if c is not None]
+                tops += [c[2] for c in direct if c[2] is not None]
             layers.append(_Layer(attn, norms, qkv, o, gate_up, down, act_mul, direct))
-        if linear is not None and all(layer.direct is not None for layer in layers):
-            _, _, below = linear
+        below = min(tops, default=None)
+        if all(layer.direct is not None for layer in layers):
+            counts: dict[str, int] = {}
+            for layer in layers:
+                for name, *_ in layer.direct or ():
+                    counts[name] = counts.get(name, 0) + 1
             logger.info("decode steps: the layers' compiled ops called from one compiled loop "
-                        "(kernels/csrc/decode_layers.cpp%s; RINGSERVE_DECODE_LAYERS=0 for the "
-                        "Python loop, RINGSERVE_FAST_DECODE=0 for the modules)",
-                        f", steps of fewer than {below} rows" if below else "")
+                        "(kernels/csrc/decode_layers.cpp; linears: %s%s; "
+                        "RINGSERVE_DECODE_LAYERS=0 for the Python loop, RINGSERVE_FAST_DECODE=0 "
+                        "for the modules)", ", ".join(f"{n} {name}" for name, n in counts.items()),
+                        f"; steps of fewer than {below} rows" if below else "")
         else:
             logger.info("decode steps: each layer's compiled ops called in one flat sequence "
                         "(engine/models/fast_decode.py; RINGSERVE_FAST_DECODE=0 for the "
                         "modules)")
-        return cls(layers, ops, dtype, linear)
+        return cls(layers, ops, dtype, below)
 
     def takes(self, x: torch.Tensor, batch: ForwardBatch, kv_caches: list[Any],
               rope_of_layer: list[int | None]) -> bool:
@@ -291,7 +297,7 @@ class FastDecode:
         group_tables = [(g.block_tables.to(torch.int32).contiguous(), g.slot_mapping,
                          g.ring_blocks or 0) for g in batch.groups]
         self._norm_scales()
-        below = self._linear[2] if self._linear is not None else None
+        below = self._below
         if self._compiled_ok and compiled_loop_enabled() and (below is None or n < below):
             ropes = [r for r in rope_of_layer if r is not None]
             if self._compiled is None or ropes != self._compiled_ropes:

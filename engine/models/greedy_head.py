@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear, uncopied_linear
+from ringserve.engine.models.quant_linear import QuantLinear, uncopied_linear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
@@ -194,18 +194,23 @@ class GreedyHead:
         rows, over the union's rows alone."""
         head = self.head
         rows = head.qw.rows(union)
-        if head.packed_rows is None or len(x) < head.packed_rows:
-            # NOTE: no module: making one cost ~0.5 ms of a one-row step, with the
-            # caches the step's weights just swept
-            return uncopied_linear(x, rows, None, kernel=head.kernel,
-                                   int16_acts=head.int16_acts)
-        sub = QuantLinear(rows, None)
-        sub.kernel, sub.int16_acts = head.kernel, head.int16_acts
-        # only the copy `forward` reads at this many rows, made for the union's rows
-        sub.packed_rows = head.packed_rows
-        if head.tiles8 is not None and len(x) <= INT8_TILE_ROWS:
-            sub.tiles8 = cpu_quant.int8_tiles(sub.qw)
-        elif head.tiles is not None:
-            sub.tiles = cpu_quant.quant_tiles(sub.qw)
-        out: torch.Tensor = sub(x)
+        # NOTE: no module: making one cost ~0.5 ms of a one-row step, with the caches the
+        # step's weights just swept; only the copy `forward` reads at this many rows, made
+        # for the union's rows
+        out: torch.Tensor
+        copy = head.copy_for(len(x), x.dtype)
+        if copy == "tiles8":
+            tiles8 = cpu_quant.int8_tiles(rows)
+            assert tiles8 is not None  # (the head's own copy was made alike)
+            out = cpu_quant.int8_tiles_linear(x, tiles8, rows, None)
+        elif copy == "tiles":
+            out = cpu_quant.quant_linear_tiles(x, cpu_quant.quant_tiles(rows), rows, None)
+        elif copy is None:
+            out = uncopied_linear(x, rows, None, kernel=head.kernel,
+                                  int16_acts=head.int16_acts)
+        else:  # (oneDNN's copies: a module around the union's rows, its copy made alike)
+            sub = QuantLinear(rows, None)
+            sub.kernel, sub.int16_acts = head.kernel, head.int16_acts
+            sub.packed_rows = head.packed_rows
+            out = sub(x)
         return out

@@ -10,8 +10,9 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
   large batches) widen it block by block into cache-sized bf16 tiles, where arithmetic,
   not the weight read, is the cost.
 - with `--packed-rows` (served default: auto), copies made once at start: steps of 2-16
-  rows multiply by a one-byte copy in the tiles' layout against x rounded to int16 blocks
-  (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by the bf16 tiles (`add_packed_copy`).
+  rows (an int8 weight's from one row) multiply by a one-byte copy in the tiles' layout
+  against x rounded to int16 blocks (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by
+  the bf16 tiles (`add_packed_copy`).
 - with `--rounded-copy-rows N` (off by default): steps of N+ rows (prefill chunks) multiply
   by oneDNN's GEMM over a copy of the weight rounded to bf16 (`add_rounded_copy`): faster
   than the AMX tiles from ~150 rows, and not exact.
@@ -58,6 +59,14 @@ TILE_ROWS = 12
 # 172 / 160; a 2048 x 640 weight (the layers' size, compute-bound) at 32 rows 0.53 / 0.40:
 # the int8 copy halves the bytes read for ~1.3x the instructions (Zen 4, 2026-12-04).
 INT8_TILE_ROWS = 16
+# NOTE: an int8 weight's one-byte copy holds its own bytes in the tiles' order, so it serves
+# its steps from one row on (a 4-bit weight's would double the one-row read). At one x row
+# the few-row dpbf16 pass over int8 is bound by its widening (int8 -> float32 -> bf16: ~10
+# GB/s a core with the weight in cache, AMX machine), the copy's int16 pass is not (~25):
+# forty 4096 x 640 int8 weights streamed at 19-21 GB/s against 24-31 on 2 cores, and a
+# one-row step of gemma-3-270m went from 15.8 to 14.7 ms greedy, 16.9 to 14.4 sampled (the
+# head's full multiply too) (docs/cpu.md, "An int8 weight's one-byte copy from one row").
+ONE_BYTE_FROM_ONE_ROW = True
 
 
 class QuantLinear(nn.Module):
@@ -94,8 +103,9 @@ class QuantLinear(nn.Module):
         # NOTE: a plain attribute, not buffers: the copy follows the quantized weight's
         # device and is made after loading (`add_packed_copy`).
         self.tiles: tuple[torch.Tensor, ...] | None = None
-        # The same values at one byte each, for steps of packed_rows..INT8_TILE_ROWS rows.
+        # The same values at one byte each, for steps of tiles8_rows..INT8_TILE_ROWS rows.
         self.tiles8: tuple[torch.Tensor, ...] | None = None
+        self.tiles8_rows: int | None = None
         # An output head's `engine.models.greedy_head.GreedyHead`, where the engine made one.
         self.greedy: Any = None
         # `--rounded-copy-rows`: the dequantized weight rounded to bf16 and packed for
@@ -116,7 +126,8 @@ class QuantLinear(nn.Module):
         against 0.19 / 0.30 and 0.11 / 0.21. Elsewhere (AVX-512 without BF16) it is a bf16
         weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16). Beside
         our tiles, a second copy at one byte a value (`cpu_quant.int8_tiles`) serves steps
-        of up to INT8_TILE_ROWS rows, where the read, not the multiply, is the cost.
+        of up to INT8_TILE_ROWS rows, where the read, not the multiply, is the cost; an int8
+        weight's from one row (ONE_BYTE_FROM_ONE_ROW).
 
         Returns:
             The copy's bytes.
@@ -127,6 +138,7 @@ class QuantLinear(nn.Module):
             self.tiles = cpu_quant.quant_tiles(self.qw)
             if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
                 self.tiles8 = cpu_quant.int8_tiles(self.qw)
+                self.tiles8_rows = 1 if self.bits == 8 and ONE_BYTE_FROM_ONE_ROW else rows
             return sum(int(t.numel() * t.element_size())
                        for t in (*self.tiles, *(self.tiles8 or ())))
         dense = dequantize(self.qw, torch.bfloat16)
@@ -177,21 +189,48 @@ class QuantLinear(nn.Module):
         self._qw = None  # `.to(device)` and friends replace the buffers
         return super()._apply(fn, recurse)  # type: ignore[no-any-return,no-untyped-call]
 
+    def copy_for(self, rows: int, dtype: torch.dtype) -> str | None:
+        """The copy `forward` multiplies a step of ``rows`` rows of ``dtype`` by: "rounded"
+        (`add_rounded_copy`), "tiles8", "tiles" or "packed" (`add_packed_copy`), or None
+        (the quantized weight itself). The copies serve bf16 rows only."""
+        if dtype != torch.bfloat16:
+            return None
+        if self.rounded is not None and self.rounded_rows is not None \
+                and rows >= self.rounded_rows:
+            return "rounded"
+        if self.tiles8 is not None and self.tiles8_rows is not None \
+                and self.tiles8_rows <= rows <= INT8_TILE_ROWS:
+            return "tiles8"
+        if self.packed_rows is None or rows < self.packed_rows:
+            return None
+        if self.tiles is not None:
+            return "tiles"
+        return "packed" if self.packed is not None else None
+
+    def _next_copy(self, rows: int, dtype: torch.dtype) -> int | None:
+        """The smallest row count above ``rows`` whose steps `copy_for` gives another copy
+        (None: none): the copies' row counts are where it can change."""
+        now = self.copy_for(rows, dtype)
+        edges = sorted({r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
+                                    INT8_TILE_ROWS + 1) if r is not None and r > rows})
+        return next((r for r in edges if self.copy_for(r, dtype) != now), None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: `fixed_forward` makes these choices once for the fast decode layers
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
         out: torch.Tensor
-        copy = self.packed_rows is not None and rows >= self.packed_rows \
-            and flat.dtype == torch.bfloat16
-        if self.rounded is not None and self.rounded_rows is not None \
-                and rows >= self.rounded_rows and flat.dtype == torch.bfloat16:
+        copy = self.copy_for(flat.shape[0], flat.dtype)
+        if copy == "rounded":
+            assert self.rounded is not None
             out = onednn_linear(flat, self.rounded, self.bias)
-        elif copy and self.tiles8 is not None and rows <= INT8_TILE_ROWS:
+        elif copy == "tiles8":
+            assert self.tiles8 is not None
             out = cpu_quant.int8_tiles_linear(flat, self.tiles8, self.qw, self.bias)
-        elif copy and self.tiles is not None:
+        elif copy == "tiles":
+            assert self.tiles is not None
             out = cpu_quant.quant_linear_tiles(flat, self.tiles, self.qw, self.bias)
-        elif copy and self.packed is not None:
+        elif copy == "packed":
+            assert self.packed is not None
             out = onednn_linear(flat, self.packed, self.bias)
         else:
             out = uncopied_linear(flat, self.qw, self.bias, kernel=self.kernel,
@@ -200,28 +239,29 @@ class QuantLinear(nn.Module):
 
     def direct_call(self, dtype: torch.dtype) -> tuple[str, int, int | None,
                                                         tuple[Any, ...]] | None:
-        """The compiled call `fixed_forward` makes for rows of ``dtype`` in steps that no
-        copy serves, for a caller that makes the call itself (the compiled decode layers,
+        """The compiled call `fixed_forward` makes for one-row steps of ``dtype``, for a
+        caller that makes the call itself (the compiled decode layers,
         `engine.models.fast_decode`): (the op's name, its ``tile_rows`` argument (-1: it
-        has none), the row count from which a copy's path takes over instead (None: no
-        copy), and the arguments after the rows: weight, scales, mins, bits, group, bias).
-        None where that call is not one op of ours (float32 rows without int16
-        activations, oneDNN's packed copy, no compiled kernel)."""
+        has none), the row count from which another call takes over (None: none), and the
+        arguments after the rows). None where that call is not one op of ours (float32
+        rows without int16 activations, oneDNN's packed copy, no compiled kernel)."""
         qw = self.qw
         args = (qw.qweight, qw.scales, qw.mins, qw.bits, qw.group, self.bias)
-        if dtype == torch.float32:
+        if dtype == torch.float32:  # (the copies serve bf16 rows only)
             return ("int16_act_linear", -1, None, args) if self.int16_acts else None
         if dtype != torch.bfloat16 or self.packed is not None or not self.kernel:
             return None
-        # (as `_fixed_forward` chooses `few`, and where its copies take over)
+        above = self._next_copy(1, dtype)
+        copy = self.copy_for(1, dtype)
+        if copy == "tiles8" and self.tiles8 is not None:
+            return ("int8_tiles_linear", -1, above,
+                    (*self.tiles8, qw.bits, qw.group, self.out_features, self.bias))
+        if copy is not None:
+            return None
+        # (as `uncopied_linear` multiplies bf16 rows: dpbf16 where the build has it)
         if cpu_quant.dpbf16(torch.empty(0, dtype=torch.bfloat16)):
-            name, tile_rows = "quant_linear", TILE_ROWS
-        else:
-            name, tile_rows = "compact_linear", min(TILE_ROWS, 8)
-        above = [t for t, copy in ((self.packed_rows, self.tiles),
-                                   (self.rounded_rows, self.rounded))
-                 if t is not None and copy is not None]
-        return name, tile_rows, min(above) if above else None, args
+            return "quant_linear", TILE_ROWS, above, args
+        return "compact_linear", min(TILE_ROWS, 8), above, args
 
     def fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`forward` for 2-D rows of ``dtype``, its choices made now: the kernel call it
@@ -229,20 +269,6 @@ class QuantLinear(nn.Module):
         (`engine.models.fast_decode`). None where `forward` takes a path this does not
         (oneDNN's packed copy, no compiled kernel). The same calls as `forward`: change the
         two together (tests/test_fast_decode.py compares their bits)."""
-        chosen = self._fixed_forward(dtype)
-        rounded, threshold, bias = self.rounded, self.rounded_rows, self.bias
-        if chosen is None or rounded is None or threshold is None or dtype != torch.bfloat16:
-            return chosen
-        smaller = chosen
-
-        def either(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] >= threshold:
-                return onednn_linear(x, rounded, bias)
-            return smaller(x)
-        return either
-
-    def _fixed_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """`fixed_forward` before the rounded copy's steps."""
         ops = cpu_build.ops()
         qw, bias, n = self.qw, self.bias, self.out_features
         call = self.direct_call(dtype)  # (the one choice of op, shared with the compiled loop)
@@ -255,9 +281,9 @@ class QuantLinear(nn.Module):
                                                        qw.bits, qw.group, bias, min(TILE_ROWS, 8))
                 return out
             return widened
-        name, tile_rows, _, args = call
+        name, tile_rows, above, args = call
         op = getattr(ops, name)
-        if tile_rows < 0:  # (int16_act_linear: no tile_rows)
+        if tile_rows < 0:  # (int16_act_linear, int8_tiles_linear: no tile_rows)
             def few(x: torch.Tensor) -> torch.Tensor:
                 out: torch.Tensor = op(x, *args)
                 return out
@@ -265,22 +291,30 @@ class QuantLinear(nn.Module):
             def few(x: torch.Tensor) -> torch.Tensor:
                 out: torch.Tensor = op(x, *args, tile_rows)
                 return out
-        if dtype == torch.float32:  # the copies serve bf16 rows only
+        if above is None:
             return few
-        tiles, tiles8, threshold = self.tiles, self.tiles8, self.packed_rows
-        if tiles is None or threshold is None:
-            return few
+        # the copy of each range of row counts from `above` on, the last range first
+        edges = {r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
+                             INT8_TILE_ROWS + 1) if r is not None and r >= above}
+        plan = [(r, self.copy_for(r, dtype)) for r in sorted(edges | {above}, reverse=True)]
+        tiles, tiles8, rounded = self.tiles, self.tiles8, self.rounded
 
         def either(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
+            if rows < above:
+                return few(x)
+            copy = next(c for r, c in plan if rows >= r)
             out: torch.Tensor
-            if rows >= threshold:
-                if tiles8 is not None and rows <= INT8_TILE_ROWS:
-                    out = ops.int8_tiles_linear(x, *tiles8, qw.bits, qw.group, n, bias)
-                else:
-                    out = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n, bias)
-                return out
-            return few(x)
+            if copy == "rounded" and rounded is not None:
+                out = onednn_linear(x, rounded, bias)
+            elif copy == "tiles8" and tiles8 is not None:
+                out = ops.int8_tiles_linear(x, *tiles8, qw.bits, qw.group, n, bias)
+            elif copy == "tiles" and tiles is not None:
+                out = ops.quant_linear_tiles(x, *tiles, qw.bits, qw.group, n, bias)
+            else:
+                out = uncopied_linear(x, qw, bias, kernel=self.kernel,
+                                      int16_acts=self.int16_acts)
+            return out
         return either
 
     def extra_repr(self) -> str:

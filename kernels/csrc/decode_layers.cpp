@@ -1,8 +1,10 @@
 // A decode step's layers in one call from Python: engine/models/fast_decode.py's flat
 // sequence of ops, run as a loop here for the paths where every op is one of ours: float32
 // rows over int16-activation linears (the AVX2 class's default), and bf16 rows over the
-// few-row quantized linears (`quant_linear`, or `compact_linear` without AVX512-BF16) in
-// steps too small for the linears' copies (one decode row, with the served defaults).
+// few-row quantized linears (`quant_linear`, or `compact_linear` without AVX512-BF16) or
+// an int8 weight's one-byte copy (`int8_tiles_linear`) in steps too small for the linears'
+// other copies (one decode row, with the served defaults). Each linear names its own op
+// (`QuantLinear.direct_call`).
 //
 // Why: at one decode row, a layer's 14 op calls from Python cost ~2-3 us each before any
 // work (argument parsing against the schema, the Python loop around them): ~0.7 ms of a
@@ -44,10 +46,15 @@ c10::TypedOperatorHandle<Sig> our_op(const char* name) {
 // An empty tensor stands for None in the constructor's list (Tensor[] holds no None).
 Opt maybe(const at::Tensor& t) { return t.numel() == 0 ? Opt() : Opt(t); }
 
+// The op a linear calls, as engine/models/fast_decode.py's LINEAR_OPS numbers them.
+enum class Op : int64_t { kInt16 = 0, kQuant = 1, kCompact = 2, kTiles8 = 3 };
+
 struct Linear {
-  at::Tensor weight, scales;
+  Op op = Op::kInt16;
+  // the weight, its scales and mins (empty: none), or the one-byte copy's three tensors
+  at::Tensor weight, scales, mins_or_empty;
   Opt mins, bias;
-  int64_t bits = 0, group = 0;
+  int64_t bits = 0, group = 0, n = 0, tile_rows = 0;
 };
 
 struct Layer {
@@ -60,30 +67,25 @@ struct Layer {
 };
 
 // Per layer in `tensors`: the 4 norm scales, q_norm and k_norm (empty: none), then for
-// qkv, o, gate_up, down each its weight, scales, mins and bias (empty: none): 22 tensors.
-// In `floats`: the 6 eps, the attention's scale and soft cap: 8. In `ints`: heads, kv_heads,
-// head dim, the layer's group (its block tables' index), window (0: none), rotary table
-// index, then each linear's bits and group: 14.
-constexpr size_t kTensors = 22, kFloats = 8, kInts = 14;
+// qkv, o, gate_up, down each its weight, scales, mins and bias (empty: none), or for the
+// one-byte copy its tiles, scales, mins and the bias: 22 tensors. In `floats`: the 6 eps,
+// the attention's scale and soft cap: 8. In `ints`: heads, kv_heads, head dim, the layer's
+// group (its block tables' index), window (0: none), rotary table index, then each linear's
+// op (enum Op), bits, group, output features and tile_rows (quant_linear, compact_linear): 26.
+constexpr size_t kTensors = 22, kFloats = 8, kInts = 26;
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
-  // linear: the op every linear calls ("int16_act_linear" for float32 rows, else
-  // "quant_linear" or "compact_linear" for bf16 rows, called with `tile_rows`); gelu_table:
-  // the bf16 GELU's table (cpu_act.table()), empty for float32 rows.
+  // gelu_table: the bf16 GELU's table (cpu_act.table()), empty for float32 rows (every
+  // linear int16_act_linear).
   DecodeLayers(std::vector<at::Tensor> tensors, std::vector<double> floats,
-               std::vector<int64_t> ints, std::string linear, int64_t tile_rows,
-               at::Tensor gelu_table)
-      : int16_(linear == "int16_act_linear"), compact_(linear == "compact_linear"),
-        tile_rows_(tile_rows), gelu_table_(std::move(gelu_table)) {
-    TORCH_CHECK(int16_ || compact_ || linear == "quant_linear",
-                "DecodeLayers: no linear op ", linear);
-    TORCH_CHECK(int16_ || gelu_table_.numel() == 65536,
-                "DecodeLayers: bf16 rows need the GELU's table of every bf16 value");
+               std::vector<int64_t> ints, at::Tensor gelu_table)
+      : gelu_table_(std::move(gelu_table)) {
     const size_t n = tensors.size() / kTensors;
     TORCH_CHECK(n > 0 && tensors.size() == n * kTensors && floats.size() == n * kFloats &&
                     ints.size() == n * kInts,
-                "DecodeLayers: 22 tensors, 8 floats and 14 ints a layer");
+                "DecodeLayers: 22 tensors, 8 floats and 26 ints a layer");
+    size_t int16 = 0;
     for (size_t l = 0; l < n; ++l) {
       const at::Tensor* t = tensors.data() + l * kTensors;
       const double* f = floats.data() + l * kFloats;
@@ -94,12 +96,19 @@ class DecodeLayers : public torch::CustomClassHolder {
       layer.k_norm = maybe(t[5]);
       for (int j = 0; j < 4; ++j) {
         Linear& lin = layer.linear[j];
+        const int64_t* li = i + 6 + 5 * j;
+        TORCH_CHECK(li[0] >= 0 && li[0] <= 3, "DecodeLayers: no linear op ", li[0]);
+        lin.op = static_cast<Op>(li[0]);
+        int16 += lin.op == Op::kInt16;
         lin.weight = t[6 + 4 * j];
         lin.scales = t[7 + 4 * j];
+        lin.mins_or_empty = t[8 + 4 * j];
         lin.mins = maybe(t[8 + 4 * j]);
         lin.bias = maybe(t[9 + 4 * j]);
-        lin.bits = i[6 + 2 * j];
-        lin.group = i[7 + 2 * j];
+        lin.bits = li[1];
+        lin.group = li[2];
+        lin.n = li[3];
+        lin.tile_rows = li[4];
       }
       for (int j = 0; j < 6; ++j) layer.eps[j] = f[j];
       layer.scale = f[6];
@@ -112,9 +121,14 @@ class DecodeLayers : public torch::CustomClassHolder {
       layer.rope = i[5];
       layers_.push_back(std::move(layer));
     }
+    int16_ = int16 > 0;
+    TORCH_CHECK(int16 == 0 || int16 == 4 * n,
+                "DecodeLayers: float32 rows (int16_act_linear) in every linear or in none");
+    TORCH_CHECK(int16_ || gelu_table_.numel() == 65536,
+                "DecodeLayers: bf16 rows need the GELU's table of every bf16 value");
   }
 
-  // x: [n, hidden] float32 (or bf16: see the constructor's `linear`), one decode token a
+  // x: [n, hidden] float32 (every linear int16_act_linear) or bf16, one decode token a
   // row (row i is sequence i's); cos, sin: the
   // rotary tables by index; tables, slots, rings: each layer group's int32 block tables,
   // slot mapping and ring width (0: none); caches: layer l's key and value caches at 2l and
@@ -160,12 +174,19 @@ class DecodeLayers : public torch::CustomClassHolder {
 
  private:
   at::Tensor linear(const Linear& lin, const at::Tensor& x) const {
-    if (compact_)
-      return compact_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
-                                  lin.bias, tile_rows_);
-    if (!int16_)
-      return quant_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
-                                lin.bias, tile_rows_);
+    switch (lin.op) {
+      case Op::kQuant:
+        return quant_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
+                                  lin.bias, lin.tile_rows);
+      case Op::kCompact:
+        return compact_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
+                                    lin.bias, lin.tile_rows);
+      case Op::kTiles8:
+        return tiles8_linear_.call(x, lin.weight, lin.scales, lin.mins_or_empty, lin.bits,
+                                   lin.group, lin.n, lin.bias);
+      case Op::kInt16:
+        break;
+    }
     return int16_linear_.call(x, lin.weight, lin.scales, lin.mins, lin.bits, lin.group,
                               lin.bias);
   }
@@ -175,12 +196,15 @@ class DecodeLayers : public torch::CustomClassHolder {
                                  const Opt&, int64_t, int64_t, const Opt&, int64_t);
   using CompactLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&,
                                    const Opt&, int64_t, int64_t, const Opt&, int64_t);
-  bool int16_ = true, compact_ = false;
-  int64_t tile_rows_ = 0;
+  using Tiles8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, int64_t, int64_t, int64_t, const Opt&);
+  bool int16_ = true;
   at::Tensor gelu_table_;
   c10::TypedOperatorHandle<QuantLinear> quant_linear_ = our_op<QuantLinear>("quant_linear");
   c10::TypedOperatorHandle<CompactLinear> compact_linear_ =
       our_op<CompactLinear>("compact_linear");
+  c10::TypedOperatorHandle<Tiles8Linear> tiles8_linear_ =
+      our_op<Tiles8Linear>("int8_tiles_linear");
   std::vector<Layer> layers_;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm_ =
       our_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("rms_norm");
@@ -220,6 +244,6 @@ class DecodeLayers : public torch::CustomClassHolder {
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>,
-                       std::string, int64_t, at::Tensor>())
+                       at::Tensor>())
       .def("run", &DecodeLayers::run);
 }
