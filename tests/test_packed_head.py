@@ -122,7 +122,8 @@ def test_a_model_with_the_packed_head_is_as_close_to_transformers(
     # the one-row steps kept the quantized head, or (AVX-512) its one-byte copy: an int8
     # weight's own bytes
     assert (1 in seen) == (head.copy_for(1, torch.bfloat16) is None)
-    assert (head.copy_for(1, torch.bfloat16) == "tiles8") == cpu_quant.has_int8_tiles()
+    assert (head.copy_for(1, torch.bfloat16) == "tiles8") == (
+        cpu_quant.has_tiles() and cpu_quant.has_int8_tiles())  # (beside the bf16 tiles)
 
 
 @pytest.mark.parametrize(("flag", "without"), [("packed_head_rows", "quantized output head"),
@@ -167,7 +168,7 @@ def test_every_quantized_linear_runs_its_copy_in_large_steps(
     rows_seen = _no_quantized_call_at(None, 2, monkeypatch)
     got = RingHarness(model, B, 160).logits_in_chunks(ids, [W, 1, 1, 2 * W])
     assert_as_close_as_bf16(path, ids, got, expected)
-    if cpu_quant.has_int8_tiles():
+    if cpu_quant.has_tiles() and cpu_quant.has_int8_tiles():
         assert rows_seen == []
         assert all(m.copy_for(1, torch.bfloat16) == "tiles8" for m in layers)
     else:
