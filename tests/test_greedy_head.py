@@ -124,11 +124,16 @@ def test_ties_go_to_the_first_row_as_the_full_head_breaks_them(cpu_variant: str,
 
 @each_pass
 @pytest.mark.parametrize("rows", ROWS)
-def test_a_row_with_nan_is_left_to_the_full_head(cpu_variant: str, rows: str) -> None:
+@pytest.mark.parametrize(("m", "bad"), [(2, float("nan")), (1, float("nan")),
+                                        (1, float("inf")), (3, -float("inf"))])
+def test_a_row_with_nan_is_left_to_the_full_head(cpu_variant: str, rows: str, m: int,
+                                                 bad: float) -> None:
     head = _head(200, 64, None, rows=rows)
-    x = _hidden(2, 64, 0, rows)
-    x[1, 5] = float("nan")
-    assert GreedyHead(head).pick(x) is None
+    picker = GreedyHead(head)
+    x = _hidden(m, 64, 0, rows)
+    assert picker.pick(x) is not None  # (finite rows: picked)
+    x[m - 1, 5] = bad
+    assert picker.pick(x) is None
 
 
 def test_it_serves_only_what_it_can_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
