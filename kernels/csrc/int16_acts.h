@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include "bf16.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -22,8 +23,10 @@ struct Acts {
   int64_t k = 0, blocks = 0, gpad = 0;
 };
 
-// Rows of x quantized (and, for 4-bit weights, summed per weight group of `group`).
-inline Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, bool sums) {
+// Rows of x (float32, or bf16: widened exactly as read) quantized (and, for 4-bit weights,
+// summed per weight group of `group`).
+template <typename T>
+inline Acts quantize_acts(const T* x, int64_t m, int64_t k, int64_t group, bool sums) {
   Acts a;
   a.k = k;
   a.blocks = k / kActBlock;
@@ -32,10 +35,11 @@ inline Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, b
   a.d.resize(static_cast<size_t>(m * a.blocks));
   a.gsum.assign(static_cast<size_t>(m * a.gpad), 0.f);
   parallel_for(0, m, 16, [&](int64_t m0, int64_t m1) {
+    float v[kActBlock];
     for (int64_t r = m0; r < m1; ++r) {
-      const float* xr = x + r * k;
+      const T* xr = x + r * k;
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const float* v = xr + b * kActBlock;
+        for (int64_t t = 0; t < kActBlock; ++t) v[t] = to_f(xr[b * kActBlock + t]);
         float amax = 0.f;
         for (int64_t t = 0; t < kActBlock; ++t) amax = std::max(amax, std::fabs(v[t]));
         const float d = amax / 32767.f;
@@ -50,7 +54,7 @@ inline Acts quantize_acts(const float* x, int64_t m, int64_t k, int64_t group, b
       if (sums)
         for (int64_t g = 0; g < k / group; ++g) {
           float s = 0.f;
-          for (int64_t t = 0; t < group; ++t) s += xr[g * group + t];
+          for (int64_t t = 0; t < group; ++t) s += to_f(xr[g * group + t]);
           a.gsum[r * a.gpad + g] = s;
         }
     }

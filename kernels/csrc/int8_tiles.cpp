@@ -264,11 +264,16 @@ at::Tensor int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles,
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
 #if defined(__AVX512BW__)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // NOTE: x read as it is (bf16 widened exactly as quantized), not converted to a float32
+  // tensor first: at one decode row that conversion was one more ATen call a linear
+  const at::Tensor xc = x.contiguous();
   const std::optional<at::Tensor> bf =
       bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
                        : std::nullopt;
-  const ringserve::Acts a = ringserve::quantize_acts(xf.data_ptr<float>(), rows, k, group, bits == 4);
+  const ringserve::Acts a =
+      x.scalar_type() == at::kBFloat16
+          ? ringserve::quantize_acts(xc.data_ptr<c10::BFloat16>(), rows, k, group, bits == 4)
+          : ringserve::quantize_acts(xc.data_ptr<float>(), rows, k, group, bits == 4);
   const TileArgs w{tiles.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(),
                    bits == 4 ? mins.data_ptr<c10::Half>() : nullptr,
                    bf.has_value() ? bf->data_ptr<float>() : nullptr, k, group, groups, n};
