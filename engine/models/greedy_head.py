@@ -210,12 +210,10 @@ class GreedyHead:
             out = cpu_quant.int8_tiles_linear(x, tiles8, rows, None)
         elif copy == "tiles":
             out = cpu_quant.quant_linear_tiles(x, cpu_quant.quant_tiles(rows), rows, None)
-        elif copy is None:
+        else:
+            # (no oneDNN copy: `can_serve` refuses a head with one, and the rounded copies
+            # leave the head out)
+            assert copy is None
             out = uncopied_linear(x, rows, None, kernel=head.kernel,
                                   int16_acts=head.int16_acts)
-        else:  # (oneDNN's copies: a module around the union's rows, its copy made alike)
-            sub = QuantLinear(rows, None)
-            sub.kernel, sub.int16_acts = head.kernel, head.int16_acts
-            sub.packed_rows = head.packed_rows
-            out = sub(x)
         return out
