@@ -19,7 +19,8 @@ from ringserve.engine.loading.quantize import (
     pick_quantization,
     weight_bytes,
 )
-from ringserve.engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear, concat_rows
+from ringserve.engine.models.quant_fuse import concat_rows
+from ringserve.engine.models.quant_linear import TILE_ROWS, QuantEmbedding, QuantLinear
 from ringserve.kernels import cpu_build, cpu_quant
 from ringserve.kernels.quant import (
     QuantizedWeight,

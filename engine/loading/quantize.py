@@ -36,7 +36,8 @@ from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
 from ringserve.engine.models.layers import Attention, RMSNorm
 from ringserve.engine.models.moe import MoE
 from ringserve.engine.models.packed_linear import PackedLinear
-from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear, fuse_quantized
+from ringserve.engine.models.quant_fuse import fuse_quantized
+from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.quant import QuantizedWeight, quantize_int4, quantize_int8
 

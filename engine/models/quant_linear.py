@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.engine.models.layers import MLP, Attention
 from ringserve.engine.models.packed_linear import bucket_rows
 from ringserve.kernels import cpu_build, cpu_quant
 from ringserve.kernels.quant import QuantizedWeight, dequantize
@@ -66,7 +65,6 @@ INT8_TILE_ROWS = 16
 # forty 4096 x 640 int8 weights streamed at 19-21 GB/s against 24-31 on 2 cores, and a
 # one-row step of gemma-3-270m went from 15.8 to 14.7 ms greedy, 16.9 to 14.4 sampled (the
 # head's full multiply too) (docs/cpu.md, "An int8 weight's one-byte copy from one row").
-ONE_BYTE_FROM_ONE_ROW = True
 
 
 class QuantLinear(nn.Module):
@@ -127,7 +125,7 @@ class QuantLinear(nn.Module):
         weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16). Beside
         our tiles, a second copy at one byte a value (`cpu_quant.int8_tiles`) serves steps
         of up to INT8_TILE_ROWS rows, where the read, not the multiply, is the cost; an int8
-        weight's from one row (ONE_BYTE_FROM_ONE_ROW).
+        weight's from one row (its own bytes in another order; the NOTE after INT8_TILE_ROWS).
 
         Returns:
             The copy's bytes.
@@ -138,7 +136,7 @@ class QuantLinear(nn.Module):
             self.tiles = cpu_quant.quant_tiles(self.qw)
             if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
                 self.tiles8 = cpu_quant.int8_tiles(self.qw)
-                self.tiles8_rows = 1 if self.bits == 8 and ONE_BYTE_FROM_ONE_ROW else rows
+                self.tiles8_rows = 1 if self.bits == 8 else rows
             return sum(int(t.numel() * t.element_size())
                        for t in (*self.tiles, *(self.tiles8 or ())))
         dense = dequantize(self.qw, torch.bfloat16)
@@ -207,13 +205,16 @@ class QuantLinear(nn.Module):
             return "tiles"
         return "packed" if self.packed is not None else None
 
+    def _copy_edges(self, above: int) -> list[int]:
+        """The row counts above ``above`` at which `copy_for` may change, ascending."""
+        return sorted({r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
+                                   INT8_TILE_ROWS + 1) if r is not None and r > above})
+
     def _next_copy(self, rows: int, dtype: torch.dtype) -> int | None:
         """The smallest row count above ``rows`` whose steps `copy_for` gives another copy
-        (None: none): the copies' row counts are where it can change."""
+        (None: none)."""
         now = self.copy_for(rows, dtype)
-        edges = sorted({r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
-                                    INT8_TILE_ROWS + 1) if r is not None and r > rows})
-        return next((r for r in edges if self.copy_for(r, dtype) != now), None)
+        return next((r for r in self._copy_edges(rows) if self.copy_for(r, dtype) != now), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: `fixed_forward` makes these choices once for the fast decode layers
@@ -294,9 +295,7 @@ class QuantLinear(nn.Module):
         if above is None:
             return few
         # the copy of each range of row counts from `above` on, the last range first
-        edges = {r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
-                             INT8_TILE_ROWS + 1) if r is not None and r >= above}
-        plan = [(r, self.copy_for(r, dtype)) for r in sorted(edges | {above}, reverse=True)]
+        plan = [(r, self.copy_for(r, dtype)) for r in [above, *self._copy_edges(above)][::-1]]
         tiles, tiles8, rounded = self.tiles, self.tiles8, self.rounded
 
         def either(x: torch.Tensor) -> torch.Tensor:
@@ -391,57 +390,3 @@ class QuantEmbedding(nn.Module):
         head = self._head[0]
         return (f"{self.num_embeddings}, {self.embedding_dim}, bits={head.bits}, "
                 f"group={head.group}, tied to lm_head")  # fmt: skip
-
-
-def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """One weight computing ``weights`` side by side (outputs concatenated), or None where
-    their layouts differ (bits, group or width), so they cannot be one matmul."""
-    first = weights[0]
-    if any((w.bits, w.group, w.shape[1]) != (first.bits, first.group, first.shape[1])
-           for w in weights):  # fmt: skip
-        return None
-    mins = None if first.mins is None else torch.cat([w.mins for w in weights])  # type: ignore[misc]
-    return QuantizedWeight(first.bits, first.group, torch.cat([w.qweight for w in weights]),
-                           torch.cat([w.scales for w in weights]), mins)
-
-
-def _concat_linears(layers: list[QuantLinear]) -> QuantLinear | None:
-    fused = concat_rows([layer.qw for layer in layers])
-    if fused is None:
-        return None
-    biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-    return QuantLinear(fused, bias)
-
-
-def fuse_quantized(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up `QuantLinear`s into one each where their layouts agree.
-
-    The quantized twin of `packed_linear.fuse_projections`, for weights that arrive
-    quantized one by one (a GGUF file's blocks): a GGUF may store q and v in different
-    block types, and those stay separate.
-
-    Returns:
-        The number of modules fused.
-    """
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Attention) and not module.fused:
-            names = module.proj_names  # q, k, v; q, k where the values are the keys
-            target = "qkv_proj"
-        elif isinstance(module, MLP) and not module.fused:
-            names, target = ["gate_proj", "up_proj"], "gate_up_proj"
-        else:
-            continue
-        parts = [getattr(module, name) for name in names]
-        if len(parts) < 2 or not all(isinstance(p, QuantLinear) for p in parts):
-            continue
-        fused = _concat_linears(parts)
-        if fused is None:
-            continue
-        setattr(module, target, fused)
-        for name in names:
-            delattr(module, name)
-        module.fused = True
-        count += 1
-    return count
