@@ -174,7 +174,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
             else:
                 name = f"int{module.bits} float32 FMA"
             if module.packed_rows is not None and module.tiles8 is not None:
-                name += (f" (+ one-byte copy from {module.tiles8_rows} to {INT8_TILE_ROWS} "
+                size = "one-byte" if module.bits == 8 else "half-byte"
+                name += (f" (+ {size} copy from {module.tiles8_rows} to {INT8_TILE_ROWS} "
                          "rows, bf16 copy beyond)")
             elif module.packed_rows is not None:
                 name += f" (+ bf16 copy from {module.packed_rows} rows)"

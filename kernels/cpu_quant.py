@@ -9,9 +9,10 @@ in registers:
   model runs with int16 activations: `int16_act_linear`): weight values widened to int16
   and multiplied by AVX2's madd, 16 a instruction; the default for quantized weights on
   CPUs without bf16 arithmetic.
-- bf16 steps of a few rows over a copy kept at one byte a value (`csrc/int8_tiles.cpp`,
-  `int8_tiles_linear`): x rounded to int16 blocks as above, the copy's values widened to
-  int16 and multiplied by AVX-512's vpdpwssd; half the bytes of the bf16 tiles' copy.
+- bf16 steps of a few rows over a copy of the integers alone, int8 one byte a value and
+  4-bit two a byte (`csrc/int8_tiles.cpp`, `int8_tiles_linear`): x rounded to int16 blocks
+  as above, the copy's values widened to int16 and multiplied by AVX-512's vpdpwssd; half
+  (int8) or a quarter (4-bit) of the bf16 tiles' bytes.
 - everything else (`csrc/compact_gemm.cpp`, every variant: AVX2, AVX-512, portable):
   each value widened to float32, scaled (plus its min) and multiplied by FMA; float32 or
   bf16 activations; many rows widen blocks into float32 tiles.
@@ -111,8 +112,9 @@ def _has_int8_tiles(variant: str) -> bool:
 
 def int8_tiles(qw: QuantizedWeight, variant: str | None = None) -> tuple[torch.Tensor, ...] | None:
     """``qw``'s values copied once into tiles of 32 weight rows in dpbf16's pair layout, one
-    byte a value, float16 scales (and 4-bit mins) beside them (`int8_tiles_linear`); None
-    for a layout they do not take (groups other than 16 for int8 or a multiple of 32)."""
+    byte a value (4-bit: two a byte, rows 0-15 of a tile in the low half, 16-31 in the high),
+    float16 scales (and 4-bit mins) beside them (`int8_tiles_linear`); None for a layout
+    they do not take (groups other than 16 for int8 or a multiple of 32)."""
     if not int16_act_supports(qw):
         return None
     return tuple(ops(variant).int8_tiles(qw.qweight, qw.scales, qw.mins, qw.bits, qw.group))

@@ -248,7 +248,9 @@ def test_int8_tiles_match_the_float64_reference(cpu_variant: str, k: int, kind: 
     qw = make(kind, group, torch.randn(75, k) * 0.05)  # 75 rows: a partial third tile
     tiles = cpu_quant.int8_tiles(qw, variant=cpu_variant)
     assert tiles is not None  # (one group per row, group None: k, a multiple of 32 here)
-    assert tiles[0].dtype == torch.int8 and tiles[0].numel() == 96 * k  # one byte a value
+    # one byte a value, two a byte for 4-bit (the weight's own bytes in the tiles' order)
+    assert tiles[0].dtype == torch.int8
+    assert tiles[0].numel() == (96 * k if qw.bits == 8 else 48 * k)
     bias = torch.randn(75)
     for rows in (1, 2, 5, 6, 8, 13, 16):  # passes of up to 6 x rows, split evenly
         x = torch.randn(rows, k)

@@ -21,7 +21,12 @@ from ringserve.engine.models.linear_copies import pack_head_copy, pack_linear_co
 from ringserve.engine.models.packed_linear import can_pack
 from ringserve.engine.models.quant_linear import QuantLinear
 from ringserve.kernels import cpu_isa, cpu_quant
-from ringserve.kernels.quant import dequantize, quantize_int4, quantize_int8
+from ringserve.kernels.quant import (
+    dequantize,
+    int16_act_matmul_reference,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.model_harness import RingHarness
 from tests.test_quant import assert_as_close_as_bf16, transformers_with
 from tests.tiny_models import B, W, make_checkpoint, random_tokens
@@ -74,29 +79,31 @@ def test_large_steps_multiply_by_the_packed_copy(kind: str,
     tiles, one_byte = cpu_quant.has_tiles(), cpu_quant.has_int8_tiles()
     size = layer.add_packed_copy(16)
     # our tiles: 10 of 32 rows, 2 bytes a value, float32 scales (and mins) of 4 groups;
-    # beside them (AVX-512) the one-byte tiles, float16 scales (and mins); oneDNN's copy:
-    # the bf16 weight
+    # beside them (AVX-512) the integer tiles, one byte a value (4-bit: two a byte), float16
+    # scales (and mins); oneDNN's copy: the bf16 weight
     sets = 2 if kind == "int4" else 1
-    one = 320 * 128 + 320 * 4 * 2 * sets if tiles and one_byte else 0
+    values = 320 * 128 if kind == "int8" else 320 * 64
+    one = values + 320 * 4 * 2 * sets if tiles and one_byte else 0
     assert size == (320 * 128 * 2 + 320 * 4 * 4 * sets + one if tiles else 300 * 128 * 2)
     assert (layer.tiles8 is not None) == (tiles and one_byte)
-    # an int8 weight's one-byte copy (its own bytes in the tiles' order) serves it from one
-    # row; a 4-bit weight's (twice its bytes) from the copies' rows
-    from_one = kind == "int8" and tiles and one_byte
+    # the integer tiles (the weight's own bytes in the tiles' order) serve it from one row
+    from_one = tiles and one_byte
     assert layer.copy_for(1, torch.bfloat16) == ("tiles8" if from_one else None)
     seen = _no_quantized_call_at(layer, 16, monkeypatch)
     exact, rounded = dequantize(qw).double(), dequantize(qw, torch.bfloat16).double()
     for rows in (1, 15, 16, 17, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         out = layer(x)
+        integer = tiles and one_byte and (rows == 16 or (from_one and rows < 16))
         # oneDNN's copy holds the weight rounded to bf16; our tiles the exact values; the
-        # one-byte tiles (16 rows) x rounded to int16 blocks, finer than bf16's rounding
+        # integer tiles (up to 16 rows) multiply x rounded to int16 blocks (their float64
+        # reference: tests/test_int16_activations.py checks the kernel against it)
         dense = rounded if rows >= 16 and not tiles else exact
-        ref = x.double() @ dense.T
+        ref = (int16_act_matmul_reference(x.float(), qw) if integer
+               else x.double() @ dense.T)
         bound = ref.abs() * 2**-8 + (x.double().abs() @ dense.abs().T) * 2**-16 + 1e-6
         assert bool(((out.double() - ref).abs() <= bound).all()), rows
-        if tiles and one_byte and (rows == 16 or (from_one and rows < 16)):
-            # the int16 blocks' sums
+        if integer:  # the int16 blocks' sums
             assert torch.equal(out, cpu_quant.int8_tiles_linear(x, layer.tiles8, qw, None))
         elif tiles and rows >= 16:  # the sums of the many-row path that widens every call
             assert torch.equal(out, real_quant_linear(x, qw, None, 0))
@@ -213,7 +220,8 @@ def test_auto_packs_every_quantized_linear_where_the_tiles_are(
     assert head.packed_rows == head_rows and head.copies()
     assert linear_copies.AUTO_PACKED_HEAD_ROWS < linear_copies.AUTO_PACKED_ROWS
     assert f"packed rows auto: {rows}" in caplog.text
-    assert ("one byte a value for steps of up to 16 rows" in caplog.text) == one_byte
+    assert ("the integers alone (int8 one byte a value, 4-bit two a byte) for steps of up "
+            "to 16 rows" in caplog.text) == one_byte
     head_seen = _no_quantized_call_at(head, head_rows, monkeypatch)
     one_byte_rows: list[int] = []
     real_int8 = quant_linear.cpu_quant.int8_tiles_linear

@@ -23,9 +23,9 @@ Where every op of a layer is one of our compiled ones, the loop itself runs in C
 (`kernels/csrc/decode_layers.cpp`): the same op calls through torch's dispatcher, without
 ~2-3 us of Python a call (~0.7 ms of a one-row step of gemma-3-270m on a Zen 3). That is
 float32 rows over int16-activation linears with the compiled float32 GELU (the AVX2 class's
-default), and bf16 rows over the few-row quantized linears (or an int8 weight's one-byte
-copy) with the compiled bf16 GELU in steps below the row count from which any linear's call
-changes (`QuantLinear.direct_call`: one row, with the served defaults).
+default), and bf16 rows over the few-row quantized linears (or a weight's integer tiles,
+`int8_tiles_linear`) with the compiled bf16 GELU in steps below the row count from which
+any linear's call changes (`QuantLinear.direct_call`: one row, with the served defaults).
 ``RINGSERVE_DECODE_LAYERS=0`` keeps the loop here (to compare the two).
 """
 
@@ -240,7 +240,7 @@ class FastDecode:
             compiled_act = cpu_act.f32_op() if f32 else cpu_act._op()
             direct = None
             # the compiled loop: every linear one op of ours (for bf16 rows a few-row op or
-            # the one-byte copy's, for float32 rows int16_act_linear: `direct_call`), and the
+            # the integer tiles', for float32 rows int16_act_linear: `direct_call`), and the
             # GELU the compiled pass `_act_mul` chose
             if (mlp.gelu_tanh and compiled_act is not None and (f32 or act_mul is compiled_act)
                     and all(c is not None and c[0] in LINEAR_OPS for c in calls)):

@@ -83,12 +83,13 @@ def pack_rounded_copies(model: nn.Module, rows: int, dtype: torch.dtype) -> str:
 
 
 def _one_byte(layers: list[QuantLinear]) -> str:
-    """What the log says of the one-byte copies among ``layers``' copies."""
+    """What the log says of the integer tiles among ``layers``' copies."""
     have = sum(layer.tiles8 is not None for layer in layers)
     if not have:
         return ""
     which = "" if have == len(layers) else f" for {have} of them"
-    return f", and one byte a value{which} for steps of up to {INT8_TILE_ROWS} rows"
+    return (f", and the integers alone (int8 one byte a value, 4-bit two a byte){which} for "
+            f"steps of up to {INT8_TILE_ROWS} rows")
 
 
 # ``packed_rows="auto"`` (the served default): the row count from which the copies serve,
@@ -161,9 +162,11 @@ def auto_packed_rows(model: nn.Module, dtype: torch.dtype) -> tuple[int | None, 
         return None, "this CPU class has no bf16 tiles (AVX512-BF16 or AMX)"
     if not can_pack(dtype, layers[0].qweight.device):  # the copies past the tiles' rows
         return None, "this CPU's oneDNN does not pack bf16"
-    # bf16 tiles (2 bytes a value) and, for steps up to INT8_TILE_ROWS, one-byte tiles
-    need = sum((3 if cpu_quant.has_int8_tiles() else 2) * m.in_features * m.out_features
-               for m in layers)
+    # bf16 tiles (2 bytes a value) and, for steps up to INT8_TILE_ROWS, the integer tiles
+    # (an int8 weight's one byte a value, a 4-bit weight's half)
+    small = 1.0 if cpu_quant.has_int8_tiles() else 0.0
+    need = int(sum((2 + (small if m.bits == 8 else small / 2)) * m.in_features * m.out_features
+                   for m in layers))
     free = available_memory()
     if free is None or need > AUTO_MEMORY_SHARE * free:
         have = "unknown" if free is None else f"{free / 2**20:.0f} MiB"

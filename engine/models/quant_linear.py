@@ -9,10 +9,10 @@ Paths, by what the step is and what the machine has (`kernels.cpu_quant`):
   (decode) read the packed weight once and widen it in registers; many rows (prefill,
   large batches) widen it block by block into cache-sized bf16 tiles, where arithmetic,
   not the weight read, is the cost.
-- with `--packed-rows` (served default: auto), copies made once at start: steps of 2-16
-  rows (an int8 weight's from one row) multiply by a one-byte copy in the tiles' layout
-  against x rounded to int16 blocks (`kernels/csrc/int8_tiles.cpp`, AVX-512), more rows by
-  the bf16 tiles (`add_packed_copy`).
+- with `--packed-rows` (served default: auto), copies made once at start: steps of 1-16
+  rows multiply by the weight's integers in the tiles' layout (int8 one byte a value, 4-bit
+  two values a byte) against x rounded to int16 blocks (`kernels/csrc/int8_tiles.cpp`,
+  AVX-512), more rows by the bf16 tiles (`add_packed_copy`).
 - with `--rounded-copy-rows N` (off by default): steps of N+ rows (prefill chunks) multiply
   by oneDNN's GEMM over a copy of the weight rounded to bf16 (`add_rounded_copy`): faster
   than the AMX tiles from ~150 rows, and not exact.
@@ -58,13 +58,17 @@ TILE_ROWS = 12
 # 172 / 160; a 2048 x 640 weight (the layers' size, compute-bound) at 32 rows 0.53 / 0.40:
 # the int8 copy halves the bytes read for ~1.3x the instructions (Zen 4, 2026-12-04).
 INT8_TILE_ROWS = 16
-# NOTE: an int8 weight's one-byte copy holds its own bytes in the tiles' order, so it serves
-# its steps from one row on (a 4-bit weight's would double the one-row read). At one x row
-# the few-row dpbf16 pass over int8 is bound by its widening (int8 -> float32 -> bf16: ~10
-# GB/s a core with the weight in cache, AMX machine), the copy's int16 pass is not (~25):
-# forty 4096 x 640 int8 weights streamed at 19-21 GB/s against 24-31 on 2 cores, and a
-# one-row step of gemma-3-270m went from 15.8 to 14.7 ms greedy, 16.9 to 14.4 sampled (the
-# head's full multiply too) (docs/cpu.md, "An int8 weight's one-byte copy from one row").
+# NOTE: the integer tiles hold the weight's own values in the tiles' order, int8 one byte a
+# value and 4-bit two a byte (no more bytes than the weight), so they serve its steps from
+# one row on. At one x row the few-row dpbf16 pass over int8 is bound by its widening (int8
+# -> float32 -> bf16: ~10 GB/s a core with the weight in cache, AMX machine), the tiles'
+# int16 pass is not (~25): forty 4096 x 640 int8 weights streamed at 19-21 GB/s against
+# 24-31 on 2 cores, and a one-row step of gemma-3-270m went from 15.8 to 14.7 ms greedy,
+# 16.9 to 14.4 sampled (the head's full multiply too) (docs/cpu.md, "An int8 weight's
+# one-byte copy from one row"). A 4-bit weight's tiles were one byte a value until
+# 2026-12-07 (twice its bytes, from 2 rows); at two values a byte an 8-row step of
+# gemma-3-270m's Q4_K_M took 22.96-25.51 ms against 26.17-30.14 (docs/cpu.md, "Half-byte
+# tiles for 4-bit weights").
 
 
 class QuantLinear(nn.Module):
@@ -101,7 +105,8 @@ class QuantLinear(nn.Module):
         # NOTE: a plain attribute, not buffers: the copy follows the quantized weight's
         # device and is made after loading (`add_packed_copy`).
         self.tiles: tuple[torch.Tensor, ...] | None = None
-        # The same values at one byte each, for steps of tiles8_rows..INT8_TILE_ROWS rows.
+        # The same integers alone (int8 one byte a value, 4-bit two a byte), for steps of
+        # tiles8_rows..INT8_TILE_ROWS rows.
         self.tiles8: tuple[torch.Tensor, ...] | None = None
         self.tiles8_rows: int | None = None
         # An output head's `engine.models.greedy_head.GreedyHead`, where the engine made one.
@@ -123,9 +128,9 @@ class QuantLinear(nn.Module):
         7.2 widening each call and 2.6 / 4.1 for oneDNN's packed bf16; gate_up 0.12 / 0.23
         against 0.19 / 0.30 and 0.11 / 0.21. Elsewhere (AVX-512 without BF16) it is a bf16
         weight packed for oneDNN's GEMM (the dequantized weight rounded to bf16). Beside
-        our tiles, a second copy at one byte a value (`cpu_quant.int8_tiles`) serves steps
-        of up to INT8_TILE_ROWS rows, where the read, not the multiply, is the cost; an int8
-        weight's from one row (its own bytes in another order; the NOTE after INT8_TILE_ROWS).
+        our tiles, a second copy of the integers alone (`cpu_quant.int8_tiles`: one byte a
+        value, 4-bit two a byte) serves steps of 1 to INT8_TILE_ROWS rows, where the read,
+        not the multiply, is the cost (the NOTE after INT8_TILE_ROWS).
 
         Returns:
             The copy's bytes.
@@ -136,7 +141,7 @@ class QuantLinear(nn.Module):
             self.tiles = cpu_quant.quant_tiles(self.qw)
             if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
                 self.tiles8 = cpu_quant.int8_tiles(self.qw)
-                self.tiles8_rows = 1 if self.bits == 8 else rows
+                self.tiles8_rows = 1
             return sum(int(t.numel() * t.element_size())
                        for t in (*self.tiles, *(self.tiles8 or ())))
         dense = dequantize(self.qw, torch.bfloat16)

@@ -1,15 +1,19 @@
-// y = x w^T + b for steps of several x rows over a copy of an int8 or 4-bit weight kept at
-// one byte a value, in the pair layout of the bf16 tiles (quant_gemm.cpp's run_tiles):
-// each tile holds 32 weight rows, pairs of k interleaved across them (byte 64 p + 2 i + e is
-// w[i][2 p + e]). A pass widens each pair's 64 bytes to int16 (one vpmovsxbw per 16 rows)
-// and multiplies them with x rounded to int16 blocks (int16_acts.h) by vpdpwssd: 16 outputs
-// of two products each an instruction, int32 sums exact; each 16- or 32-value segment's sums
-// are scaled by the weight group's scale times the x block's scale into float32.
+// y = x w^T + b for steps of 1-16 x rows over a copy of an int8 or 4-bit weight's integers
+// in the pair layout of the bf16 tiles (quant_gemm.cpp's run_tiles): each tile holds 32
+// weight rows, pairs of k interleaved across them (int8: byte 64 p + 2 i + e is
+// w[i][2 p + e]; 4-bit: two values a byte, byte 32 p + 2 i + e holds row i's value low and
+// row 16 + i's high, i < 16). A pass widens each pair's values to int16 (one vpmovsxbw or
+// vpmovzxbw per 16 rows) and multiplies them with x rounded to int16 blocks (int16_acts.h)
+// by vpdpwssd: 16 outputs of two products each an instruction, int32 sums exact; each 16-
+// or 32-value segment's sums are scaled by the weight group's scale times the x block's
+// scale into float32.
 //
-// Why: at 5-16 x rows a step's large matrices cost their read from memory. The bf16 tiles
+// Why: at 1-16 x rows a step's large matrices cost their read from memory. The bf16 tiles
 // copy (2 bytes a value) read at ~26 GB/s took 13 ms of gemma-3-270m's 8-row step for its
 // 262144 x 640 head alone (docs/cpu.md, "At 8 rows the head is its copy's read"); this copy
-// is half those bytes, for about the same instructions a value.
+// is half those bytes (int8) or a quarter (4-bit: the weight's own bytes; at one byte a
+// value, as until 2026-12-07, an 8-row step read its 4-bit layers twice over: docs/cpu.md,
+// "Half-byte tiles for 4-bit weights"), for about the same instructions a value.
 //
 // Numbers: as int16_act_gemm.cpp's, so kernels/quant.py's `int16_act_matmul_reference`
 // states them in float64 (x blocks of 32, exact integer sums, 4-bit mins times the exact
@@ -51,9 +55,9 @@ inline int8_t value_at(const uint8_t* row, int64_t j, int64_t bits) {
   return static_cast<int8_t>((row[(j >> 6) * 32 + (j & 31)] >> ((j & 32) >> 3)) & 0xF);
 }
 
-// qweight [n, k'] (kernels/quant.py's layout) -> tiles int8 [nt, k / 2 * 64], scales and
-// (4-bit) mins float16 [nt, groups * 32]: the 32 rows' values of group g side by side.
-// Rows past the last are 0.
+// qweight [n, k'] (kernels/quant.py's layout) -> tiles int8 [nt, k / 2 * 64] (4-bit:
+// [nt, k / 2 * 32]), scales and (4-bit) mins float16 [nt, groups * 32]: the 32 rows' values
+// of group g side by side. Rows past the last are 0.
 std::vector<at::Tensor> int8_tiles(const at::Tensor& qweight, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& mins, int64_t bits,
                                    int64_t group) {
@@ -63,7 +67,9 @@ std::vector<at::Tensor> int8_tiles(const at::Tensor& qweight, const at::Tensor& 
               "int8_tiles: the weight group must be a multiple of 32 (or 16 for int8)");
   const int64_t nt = (n + kTile - 1) / kTile, kp = k / 2, groups = k / group;
   const int64_t row_bytes = qweight.size(1);
-  auto tiles = at::empty({nt, kp * 2 * kTile}, qweight.options().dtype(at::kChar));
+  // (4-bit: two values a byte, the low nibble row i's, the high row 16 + i's)
+  const int64_t tile_bytes = bits == 8 ? kp * 2 * kTile : kp * kTile;
+  auto tiles = at::empty({nt, tile_bytes}, qweight.options().dtype(at::kChar));
   auto tsc = at::zeros({nt, groups * kTile}, scales.options());
   auto tmn = bits == 4 ? at::zeros({nt, groups * kTile}, scales.options())
                        : at::empty({0, groups * kTile}, scales.options());
@@ -75,18 +81,22 @@ std::vector<at::Tensor> int8_tiles(const at::Tensor& qweight, const at::Tensor& 
   auto* mp = bits == 4 ? tmn.data_ptr<c10::Half>() : nullptr;
   ringserve::parallel_for(0, nt, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      int8_t* tile = tp + t * kp * 2 * kTile;
+      int8_t* tile = tp + t * tile_bytes;
       for (int64_t i = 0; i < kTile; ++i) {
         const int64_t r = t * kTile + i;
-        if (r >= n) {
-          for (int64_t p = 0; p < kp; ++p) tile[p * 2 * kTile + 2 * i] = tile[p * 2 * kTile + 2 * i + 1] = 0;
-          continue;
-        }
-        const uint8_t* row = q + r * row_bytes;
-        for (int64_t p = 0; p < kp; ++p) {
-          tile[p * 2 * kTile + 2 * i] = value_at(row, 2 * p, bits);
-          tile[p * 2 * kTile + 2 * i + 1] = value_at(row, 2 * p + 1, bits);
-        }
+        const uint8_t* row = r < n ? q + r * row_bytes : nullptr;
+        for (int64_t p = 0; p < kp; ++p)
+          for (int64_t e = 0; e < 2; ++e) {
+            const int8_t v = row == nullptr ? 0 : value_at(row, 2 * p + e, bits);
+            if (bits == 8) {
+              tile[p * 2 * kTile + 2 * i + e] = v;
+            } else {  // byte b of a pair's 32: the pair layout's byte b low, byte 32 + b high
+              const int64_t b = p * kTile + 2 * (i % 16) + e;
+              const uint8_t old = i < 16 ? 0 : static_cast<uint8_t>(tile[b]);
+              tile[b] = static_cast<int8_t>(i < 16 ? v : (old | (v << 4)));
+            }
+          }
+        if (row == nullptr) continue;
         for (int64_t g = 0; g < groups; ++g) {
           sp[t * groups * kTile + g * kTile + i] = s[r * groups + g];
           if (mp != nullptr) mp[t * groups * kTile + g * kTile + i] = mn[r * groups + g];
@@ -135,16 +145,17 @@ struct TileArgs {
   const c10::Half* mins;    // [nt, groups * 32] (4-bit) or null
   const float* bias;        // [n] or null
   int64_t k, group, groups, n;
+  int64_t tile_bytes;  // k * 32 (one byte a value) or k * 16 (4-bit: two a byte)
 };
 
 // out[m, tile t's rows] for x rows [0, MR) of `a` starting at row m0. SEG: values a
 // segment, whose integer sums share one weight scale and one x scale: 16 (group 16) or 32.
 // `ahead`: the next tile's lines, some asked for every segment.
-template <int MR, int SEG, typename Out>
+template <int MR, int SEG, bool NIB, typename Out>
 void tile_pass(const TileArgs& w, const ringserve::Acts& a, int64_t m0, int64_t t, Out* out,
                ringserve::Ahead ahead = {}) {
   const int64_t k = w.k, kp = k / 2, blocks = a.blocks;
-  const int8_t* tile = w.tiles + t * kp * 2 * kTile;
+  const int8_t* tile = w.tiles + t * w.tile_bytes;
   const c10::Half* sc = w.scales + t * w.groups * kTile;
   const int16_t* xq = a.q.data() + m0 * k;
   const float* xd = a.d.data() + m0 * blocks;
@@ -163,10 +174,17 @@ void tile_pass(const TileArgs& w, const ringserve::Acts& a, int64_t m0, int64_t 
     for (int m = 0; m < MR; ++m) ip[m][0] = ip[m][1] = _mm512_setzero_si512();
     const int64_t p0 = j / 2;
     for (int64_t p = p0; p < p0 + kSegPairs; ++p) {
-      const int8_t* tp = tile + p * 2 * kTile;
-      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp)));
-      const __m512i w1 =
-          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp + 32)));
+      __m512i w0, w1;
+      if constexpr (NIB) {  // the pair's 32 bytes: rows 0-15's values low, 16-31's high
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + p * kTile));
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
+        w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+      } else {
+        const int8_t* tp = tile + p * 2 * kTile;
+        w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp)));
+        w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tp + 32)));
+      }
       for (int m = 0; m < MR; ++m) {
         int32_t pair;
         std::memcpy(&pair, xr[m] + p, sizeof(pair));
@@ -211,7 +229,7 @@ void tile_pass(const TileArgs& w, const ringserve::Acts& a, int64_t m0, int64_t 
   }
 }
 
-template <int SEG, typename Out>
+template <int SEG, bool NIB, typename Out>
 void run(const TileArgs& w, const ringserve::Acts& a, int64_t rows, Out* out) {
   const int64_t nt = (w.n + kTile - 1) / kTile;
   // NOTE: each thread's tiles are one stream in memory; a tile (20 KiB at k = 640) stays in
@@ -220,7 +238,7 @@ void run(const TileArgs& w, const ringserve::Acts& a, int64_t rows, Out* out) {
   // the tile's values once for all its rows.
   const int64_t passes = (rows + kPassRows - 1) / kPassRows, per = (rows + passes - 1) / passes;
   // NOTE: the next tile asked for into L2 a few lines a segment of the first pass.
-  const int64_t tile_bytes = w.k * kTile;
+  const int64_t tile_bytes = w.tile_bytes;
   ringserve::parallel_for(0, nt, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < rows; m0 += per) {
@@ -229,7 +247,7 @@ void run(const TileArgs& w, const ringserve::Acts& a, int64_t rows, Out* out) {
                 ? ringserve::Ahead(w.tiles + (t + 1) * tile_bytes, tile_bytes, w.k / SEG)
                 : ringserve::Ahead();
         ringserve::with_rows<kPassRows>(std::min(per, rows - m0), [&](auto r) {
-          tile_pass<decltype(r)::value, SEG>(w, a, m0, t, out, ahead);
+          tile_pass<decltype(r)::value, SEG, NIB>(w, a, m0, t, out, ahead);
         });
       }
   });
@@ -252,7 +270,7 @@ at::Tensor int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles,
               "dividing k");
   const int64_t groups = k / group;
   TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.is_contiguous() && tiles.dim() == 2 &&
-                  tiles.size(0) == nt && tiles.size(1) == k * kTile,
+                  tiles.size(0) == nt && tiles.size(1) == (bits == 8 ? k : k / 2) * kTile,
               "int8_tiles_linear: tiles must come from int8_tiles for this k and n");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.size(0) == nt && scales.size(1) == groups * kTile,
@@ -276,12 +294,15 @@ at::Tensor int8_tiles_linear(const at::Tensor& x, const at::Tensor& tiles,
           : ringserve::quantize_acts(xc.data_ptr<float>(), rows, k, group, bits == 4);
   const TileArgs w{tiles.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(),
                    bits == 4 ? mins.data_ptr<c10::Half>() : nullptr,
-                   bf.has_value() ? bf->data_ptr<float>() : nullptr, k, group, groups, n};
+                   bf.has_value() ? bf->data_ptr<float>() : nullptr, k, group, groups, n,
+                   tiles.size(1)};
   const auto go = [&](auto* op) {
     if (group == 16)
-      run<16>(w, a, rows, op);
+      run<16, false>(w, a, rows, op);  // (int8 only)
+    else if (bits == 8)
+      run<32, false>(w, a, rows, op);
     else
-      run<32>(w, a, rows, op);
+      run<32, true>(w, a, rows, op);
   };
   if (x.scalar_type() == at::kBFloat16)
     go(out.data_ptr<c10::BFloat16>());
