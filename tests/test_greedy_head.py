@@ -223,7 +223,8 @@ def test_a_model_that_soft_caps_its_logits_keeps_the_full_head(
 
 @needs_amx_pass
 @pytest.mark.parametrize("cpu_variant", ["amx"], indirect=True)
-def test_the_amx_copys_own_error_is_in_the_bound(cpu_variant: str) -> None:
+@pytest.mark.parametrize("m", [1, 2])  # one row: by VNNI over the AMX copy; more: by AMX
+def test_the_amx_copys_own_error_is_in_the_bound(cpu_variant: str, m: int) -> None:
     """The AMX pass reads each head row at one int8 scale a row, coarser than the head's own
     groups: there a decoy row (ten values that round up to one step of its row's scale) beats
     the true maximum (22 values that round to nothing), and only the copy's error term in the
@@ -238,12 +239,32 @@ def test_the_amx_copys_own_error_is_in_the_bound(cpu_variant: str) -> None:
     weight[17, 32:] = 0.0
     weight[17, 42:] = 0.45 * step  # the maximum: nothing in the copy, +9.9 exactly
     head = QuantLinear(quantize_int8(weight, 32), None)
-    x = torch.ones(2, k, dtype=torch.bfloat16)  # its digits are exact: x's rounding is no help
+    x = torch.ones(m, k, dtype=torch.bfloat16)  # its digits are exact: x's rounding is no help
     want = first_max(head(x))
-    assert want.tolist() == [17, 17]
+    assert want.tolist() == [17] * m
     picker = GreedyHead(head)
     assert picker.amx
     got = picker.pick(x)
     assert got is not None and torch.equal(got, want)
     picker.meta[2:] = 0  # ||e_r|| and max |e_r|: as if the copy were the head
-    assert picker.pick(x).tolist() == [3, 3]  # type: ignore[union-attr]
+    assert picker.pick(x).tolist() == [3] * m  # type: ignore[union-attr]
+
+
+@needs_amx_pass
+@pytest.mark.parametrize("cpu_variant", ["amx"], indirect=True)
+@pytest.mark.parametrize("vocab", [262, 4096 + 37])  # a partial last tile; tiles left over
+def test_one_row_by_vnni_keeps_the_amx_passs_candidates(cpu_variant: str, vocab: int) -> None:
+    """One x row goes through VNNI over the AMX copy (`one_row_chunk`), more rows through
+    AMX: the same int32 sums, so a row alone keeps the very candidates it keeps beside
+    another row, and they hold its first maximum."""
+    head = _head(vocab, 640, None, seed=vocab)
+    picker = GreedyHead(head)
+    assert picker.amx
+    for seed in range(4):
+        x = _hidden(2, 640, seed)
+        x[1] = x[0] * 0.5 if seed % 2 else _hidden(1, 640, seed + 100)[0]
+        alone, alone_at = picker.candidates(x[:1])
+        pair, pair_at = picker.candidates(x)
+        assert alone_at.tolist() == [0, int(pair_at[1])]
+        assert torch.equal(alone, pair[:int(pair_at[1])])
+        assert int(first_max(head(x[:1]))[0]) in alone.tolist()

@@ -681,6 +681,65 @@ void row_chunk(const RowHead& h, int64_t t0, int64_t t1, const int8_t* xd, int64
   }
 }
 
+// One x row over vocabulary tiles [t0, t1) by AVX512-VNNI instead of AMX, on the same copy
+// and digits, for the same int32 sums (exact either way, so the same bounds and candidates):
+// the copy's tiles are [kp / 4][16 rows][4 values], a vector of vpdpbusd's 16 int32 lanes
+// a row each. vpdpbusd multiplies unsigned bytes by signed ones: the digits ride as
+// u = z + 128 (xu: kp / 4 quads of z, then of z'), and each row's sum of its values Q_r
+// (a third vpdpbusd, by ones) takes the offset back off: sum z q_r = sum u q_r - 128 Q_r.
+// Why: at one x row AMX multiplies 15 zero rows, and its tile loads wait for their lines
+// (no load runs ahead of the multiply before it), so the pass read the copy at 25-27 GB/s
+// inside a step; these are plain vector loads, which run ahead of the multiplies and let
+// the hardware prefetchers stream the copy (docs/cpu.md, "One greedy row without AMX").
+// NOTE: 4 tiles a turn, their 12 sums' chains interleaved (vpdpbusd's latency would bind
+// one tile's three chains); 2 or 8 a turn, or a software prefetch 1-4 KiB ahead of each
+// tile's stream, measured no better (one engine, alternating, AMX machine).
+constexpr int64_t kOneTiles = 4;
+
+template <int NT>
+void one_row_turn(const RowHead& h, int64_t t, const int32_t* xu, const std::vector<XPair>& xs,
+                  std::vector<Found>& found, __m512* lanes) {
+  const int64_t kp = h.kp, quads = kp / 4;
+  const int8_t* w = h.tiles + t * kp * kRows;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i a[NT], b[NT], q[NT];
+  for (int j = 0; j < NT; ++j) a[j] = b[j] = q[j] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < quads; ++p) {
+    const __m512i u = _mm512_set1_epi32(xu[p]), uf = _mm512_set1_epi32(xu[quads + p]);
+    for (int j = 0; j < NT; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + j * kp * kRows + p * 64);
+      a[j] = _mm512_dpbusd_epi32(a[j], u, v);
+      b[j] = _mm512_dpbusd_epi32(b[j], uf, v);
+      q[j] = _mm512_dpbusd_epi32(q[j], ones, v);
+    }
+  }
+  alignas(64) int32_t sums[2 * kRows];
+  for (int j = 0; j < NT; ++j) {
+    const __m512i off = _mm512_slli_epi32(q[j], 7);
+    _mm512_store_si512(sums, _mm512_sub_epi32(a[j], off));
+    _mm512_store_si512(sums + kRows, _mm512_sub_epi32(b[j], off));
+    row_bounds(h, t + j, sums, 0, 1, xs, found, lanes);
+  }
+}
+
+void one_row_chunk(const RowHead& h, int64_t t0, int64_t t1, const int32_t* xu,
+                   const std::vector<XPair>& xs, std::vector<Found>& found, __m512* lanes) {
+  int64_t t = t0;
+  for (; t + kOneTiles <= t1; t += kOneTiles) one_row_turn<kOneTiles>(h, t, xu, xs, found, lanes);
+  for (; t < t1; ++t) one_row_turn<1>(h, t, xu, xs, found, lanes);
+}
+
+// x row 0's digit rows (xd: z, then z' kp bytes on) as vpdpbusd's unsigned quads, u = z + 128.
+std::vector<int32_t> unsigned_quads(const int8_t* xd, int64_t kp) {
+  std::vector<int32_t> xu(static_cast<size_t>(kp / 2));
+  for (int64_t i = 0; i < 2 * kp; i += 4) {
+    uint8_t u[4];
+    for (int e = 0; e < 4; ++e) u[e] = static_cast<uint8_t>(xd[i + e] + 128);
+    std::memcpy(&xu[i / 4], u, 4);
+  }
+  return xu;
+}
+
 // x's rows as AMX digit rows ([2 m rounded up to 16][kp], zeros past them) and XPairs.
 template <typename T>
 std::vector<XPair> pair_rows(const T* xp, int64_t m, int64_t k, int64_t kp, float rho,
@@ -822,6 +881,19 @@ std::vector<at::Tensor> greedy_head_candidates_amx(const at::Tensor& x, const at
   const int64_t chunks = std::min(kChunks, count);
   std::vector<std::vector<Found>> parts(static_cast<size_t>(chunks),
                                         std::vector<Found>(static_cast<size_t>(m)));
+  if (m == 1) {  // one row: plain vector loads (one_row_chunk)
+    const std::vector<int32_t> xu = unsigned_quads(xd.data(), kp);
+    ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<Lane> lanes(1);
+      for (int64_t c = c0; c < c1; ++c) {
+        lanes[0] = lane_init();
+        one_row_chunk(h, count * c / chunks, count * (c + 1) / chunks, xu.data(), xs, parts[c],
+                      lanes.data());
+        parts[c][0].floor = std::max(parts[c][0].floor, lane_max(lanes[0]));
+      }
+    });
+    return merged(parts, m, x);
+  }
   ringserve::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     const ringserve::AmxScope tiles_on(row_config());
     std::vector<Lane> lanes(static_cast<size_t>(m));
