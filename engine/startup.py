@@ -175,7 +175,7 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
                 name = f"int{module.bits} float32 FMA"
             if module.packed_rows is not None and module.tiles8 is not None:
                 size = "one-byte" if module.bits == 8 else "half-byte"
-                name += (f" (+ {size} copy from {module.tiles8_rows} to {INT8_TILE_ROWS} "
+                name += (f" (+ {size} copy from 1 to {INT8_TILE_ROWS} "
                          "rows, bf16 copy beyond)")
             elif module.packed_rows is not None:
                 name += f" (+ bf16 copy from {module.packed_rows} rows)"

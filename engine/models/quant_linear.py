@@ -105,10 +105,9 @@ class QuantLinear(nn.Module):
         # NOTE: a plain attribute, not buffers: the copy follows the quantized weight's
         # device and is made after loading (`add_packed_copy`).
         self.tiles: tuple[torch.Tensor, ...] | None = None
-        # The same integers alone (int8 one byte a value, 4-bit two a byte), for steps of
-        # tiles8_rows..INT8_TILE_ROWS rows.
+        # The integers alone (int8 one byte a value, 4-bit two a byte), for steps of 1 to
+        # INT8_TILE_ROWS rows.
         self.tiles8: tuple[torch.Tensor, ...] | None = None
-        self.tiles8_rows: int | None = None
         # An output head's `engine.models.greedy_head.GreedyHead`, where the engine made one.
         self.greedy: Any = None
         # `--rounded-copy-rows`: the dequantized weight rounded to bf16 and packed for
@@ -141,7 +140,6 @@ class QuantLinear(nn.Module):
             self.tiles = cpu_quant.quant_tiles(self.qw)
             if rows <= INT8_TILE_ROWS and cpu_quant.has_int8_tiles():
                 self.tiles8 = cpu_quant.int8_tiles(self.qw)
-                self.tiles8_rows = 1
             return sum(int(t.numel() * t.element_size())
                        for t in (*self.tiles, *(self.tiles8 or ())))
         dense = dequantize(self.qw, torch.bfloat16)
@@ -201,8 +199,7 @@ class QuantLinear(nn.Module):
         if self.rounded is not None and self.rounded_rows is not None \
                 and rows >= self.rounded_rows:
             return "rounded"
-        if self.tiles8 is not None and self.tiles8_rows is not None \
-                and self.tiles8_rows <= rows <= INT8_TILE_ROWS:
+        if self.tiles8 is not None and rows <= INT8_TILE_ROWS:
             return "tiles8"
         if self.packed_rows is None or rows < self.packed_rows:
             return None
@@ -212,7 +209,7 @@ class QuantLinear(nn.Module):
 
     def _copy_edges(self, above: int) -> list[int]:
         """The row counts above ``above`` at which `copy_for` may change, ascending."""
-        return sorted({r for r in (self.packed_rows, self.tiles8_rows, self.rounded_rows,
+        return sorted({r for r in (self.packed_rows, self.rounded_rows,
                                    INT8_TILE_ROWS + 1) if r is not None and r > above})
 
     def _next_copy(self, rows: int, dtype: torch.dtype) -> int | None:
