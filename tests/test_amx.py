@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
-from tests.test_quant import FAMILY_WIDTHS, LAYOUTS, assert_matches_reference, fits, make
+from tests.test_quant import FAMILY_WIDTHS, assert_matches_reference, fitting, make
 
 HAS_AMX = cpu_isa.info().has("amx") and cpu_build.available("avx512_bf16")
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 (amx_bf16, "
@@ -44,14 +44,11 @@ def amx() -> object:
 
 
 @needs_amx
-@pytest.mark.parametrize("k", FAMILY_WIDTHS)
-@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+@pytest.mark.parametrize(("kind", "group", "k"), fitting(FAMILY_WIDTHS))
 def test_amx_tiles_against_float64(amx: object, k: int, kind: str, group: int | None) -> None:
     """Both many-row paths (widening every call, and the tiles copy) by AMX: within bf16
     output rounding and float32 sums of the float64 product, the two bit for bit alike;
     row counts with a partial block of 16 and several blocks."""
-    if not fits(kind, group, k):
-        pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k)
     qw = make(kind, group, torch.randn(96, k) * 0.05)
     tiles = cpu_quant.quant_tiles(qw, variant="avx512_bf16")

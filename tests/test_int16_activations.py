@@ -30,7 +30,7 @@ from ringserve.kernels.quant import (
     quantize_int8,
 )
 from tests.model_harness import RingHarness
-from tests.test_quant import assert_as_close_as_bf16, transformers_with
+from tests.test_quant import assert_as_close_as_bf16, fitting, transformers_with
 from tests.tiny_models import B, W, make_checkpoint, random_tokens
 
 kernel_only = pytest.mark.skipif(not cpu_build.available(),
@@ -58,12 +58,9 @@ def bound(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 @kernel_only
-@pytest.mark.parametrize("k", [640, 2048, 576])
-@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+@pytest.mark.parametrize(("kind", "group", "k"), fitting([640, 2048, 576], LAYOUTS))
 def test_kernel_matches_its_float64_reference(cpu_variant: str, k: int, kind: str,
                                               group: int | None) -> None:
-    if k % (group or k) or (kind == "int4" and k % 64):
-        pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k)
     qw = make(kind, group, torch.randn(75, k) * 0.05)
     bias = torch.randn(75)
@@ -236,14 +233,11 @@ int8_tiles_only = pytest.mark.skipif(
 
 
 @int8_tiles_only
-@pytest.mark.parametrize("k", [640, 2048, 576])
-@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+@pytest.mark.parametrize(("kind", "group", "k"), fitting([640, 2048, 576], LAYOUTS))
 def test_int8_tiles_match_the_float64_reference(cpu_variant: str, k: int, kind: str,
                                                 group: int | None) -> None:
     if not cpu_quant.has_int8_tiles(cpu_variant):
         pytest.skip(f"the {cpu_variant} variant has no AVX-512 BW: no one-byte tiles")
-    if k % (group or k) or (kind == "int4" and k % 64):
-        pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k + 7)
     qw = make(kind, group, torch.randn(75, k) * 0.05)  # 75 rows: a partial third tile
     tiles = cpu_quant.int8_tiles(qw, variant=cpu_variant)

@@ -57,6 +57,14 @@ def fits(kind: str, group: int | None, k: int) -> bool:
     return k % (group or k) == 0 and (kind == "int8" or k % 64 == 0)
 
 
+def fitting(widths: list[int], layouts: list[tuple[str, int | None]] | None = None,
+            ) -> list[tuple[str, int | None, int]]:
+    """(kind, group, k) for every layout (default `LAYOUTS`) and width that fit (a group must
+    divide k): no test case is made for a width a layout cannot take."""
+    return [(kind, group, k) for kind, group in (layouts or LAYOUTS) for k in widths
+            if fits(kind, group, k)]
+
+
 # -- the layout ---------------------------------------------------------------------------
 
 def test_int4_packing_round_trips() -> None:
@@ -129,13 +137,10 @@ def assert_matches_reference(out: torch.Tensor, x: torch.Tensor, qw: QuantizedWe
 
 
 @kernel_only
-@pytest.mark.parametrize("k", FAMILY_WIDTHS)
-@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+@pytest.mark.parametrize(("kind", "group", "k"), fitting(FAMILY_WIDTHS))
 def test_kernel_against_float64_per_family_width(cpu_variant: str, k: int, kind: str,
                                                  group: int | None) -> None:
     """bf16 activations: dpbf16 on the avx512_bf16 variant, float32 FMA on the others."""
-    if not fits(kind, group, k):
-        pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k)
     qw = make(kind, group, torch.randn(96, k) * 0.05)
     for rows in (1, 3, 8, 13):  # 13: a second pass of x rows
@@ -147,14 +152,11 @@ def test_kernel_against_float64_per_family_width(cpu_variant: str, k: int, kind:
 
 
 @kernel_only
-@pytest.mark.parametrize("k", [576, 640, 3072])
-@pytest.mark.parametrize(("kind", "group"), LAYOUTS)
+@pytest.mark.parametrize(("kind", "group", "k"), fitting([576, 640, 3072]))
 def test_float32_kernel_against_float64(cpu_variant: str, k: int, kind: str,
                                         group: int | None) -> None:
     """float32 activations (the default on CPUs without bf16 arithmetic): the compact
     kernel of every variant, both paths, within float32 rounding of the float64 product."""
-    if not fits(kind, group, k):
-        pytest.skip(f"{kind} group {group} does not divide k={k}")
     torch.manual_seed(k + 1)
     qw = make(kind, group, torch.randn(101, k) * 0.05)
     ref_w = dequantize(qw, torch.float32).double()
