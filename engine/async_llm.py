@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -109,7 +109,7 @@ class EngineFront:
             raise QueueFullError(f"the waiting queue is full ({self.num_waiting} of "
                                  f"{self.max_waiting} sequences; this request brings {new})")
 
-    async def stream(self, request: CheckedRequest) -> AsyncIterator[StreamDelta]:
+    async def stream(self, request: CheckedRequest) -> AsyncGenerator[StreamDelta, None]:
         """Queue a prepared request and yield its deltas until it finishes.
 
         Raises:
