@@ -150,14 +150,14 @@ class Guard:
     about a fifth of this process's time a token (py-spy, one greedy stream).
     """
 
-    def __init__(self, app: ASGIApp, args: ServeArgs, app_state: Any) -> None:
-        self.app, self.args, self.app_state = app, args, app_state
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        key = self.args.api_key
+        key = self.state.args.api_key
         if key and scope["path"].startswith(PROTECTED):
             header = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
             token = header[7:] if header.lower().startswith("bearer ") else ""
@@ -177,7 +177,7 @@ class Guard:
         await self.app(scope, receive, counted)
 
     def _rejected(self, status: int) -> None:
-        metrics = self.app_state.server.metrics
+        metrics = self.state.metrics
         if metrics is not None:
             metrics.rejected(status)
 
@@ -188,7 +188,7 @@ def create_app(args: ServeArgs) -> FastAPI:
     app.state.server = ServerState(args=args)
     install_error_handlers(app)
 
-    app.add_middleware(Guard, args=args, app_state=app.state)
+    app.add_middleware(Guard, state=app.state.server)
     app.add_middleware(BodyLimit, limit=args.max_body_bytes)
     app.include_router(completions.router)
     app.include_router(chat.router)
