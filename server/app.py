@@ -33,8 +33,9 @@ from ringserve.server.state import Phase, ServeArgs, ServerState, parse_shapes
 
 logger = logging.getLogger("ringserve.server")
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
-# Seconds between the engine core's death and this process's exit: the streams it failed
-# write their error events, and /health answers 503 meanwhile.
+# Seconds between the engine's failure (the core's death, or a start that failed) and this
+# process's exit: the streams it failed write their error events, and /health answers 503
+# with the reason meanwhile.
 CORE_DEATH_EXIT_S = 1.0
 
 
@@ -62,15 +63,23 @@ def _start_engine(state: ServerState) -> None:
         logger.info("ready: serving %r", state.model_name)
     except Exception as err:
         logger.exception("the engine failed to start")
-        state.error = str(err) if isinstance(err, EngineStartError) \
-            else f"{type(err).__name__}: {err}"
-        state.phase = Phase.FAILED
+        # NOTE: a server that cannot serve exits (a killed core, a truncated shard, a model
+        # that does not fit): answering 503 "failed" until someone kills it left compose
+        # and systemd users looking at "loading" forever
+        _fail(state, str(err) if isinstance(err, EngineStartError)
+              else f"{type(err).__name__}: {err}")
 
 
 def _core_died(state: ServerState, err: BaseException) -> None:
-    """The engine core process is gone: say so on /health, and exit non-zero (a supervisor
+    """The engine core process is gone: `_fail`."""
+    _fail(state, str(err))
+
+
+def _fail(state: ServerState, why: str) -> None:
+    """The engine cannot serve: say why on /health and in the log, and exit 1 (a supervisor
     restarts the server) once the failed streams have had a moment to go out."""
-    state.error = str(err)
+    logger.error("exiting in %g s: %s", CORE_DEATH_EXIT_S, why)
+    state.error = why
     state.phase = Phase.FAILED
     state.exit_code = 1
     timer = threading.Timer(CORE_DEATH_EXIT_S, os.kill, (os.getpid(), signal.SIGTERM))

@@ -69,8 +69,12 @@ def run_server(model: str | Path, *args: str, log_dir: Path, timeout: float = 60
 def wait_ready(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited: {server.log.read_text()[-3000:]}")
+        if server.process.poll() is not None:  # a server whose engine failed exits: why
+            text = server.log.read_text()
+            why = [line.split("exiting in", 1)[1] for line in text.splitlines()
+                   if "exiting in" in line]
+            head = f"server failed to start: {why[-1]}" if why else "server exited"
+            raise RuntimeError(f"{head}\n{text[-3000:]}")
         try:
             health = httpx.get(f"{server.url}/health", timeout=2)
             if health.status_code == 200:

@@ -8,7 +8,8 @@
   says the engine died, and the server exits 1 (for its supervisor to restart it).
 - The core ignores the Ctrl-C that reaches the whole process group, and goes with the server
   on SIGTERM: no orphan holds the model's memory.
-- A core that cannot start says why on /health, as the in-process engine did.
+- A core that cannot start says why on /health, as the in-process engine did, and the server
+  exits 1 within seconds: killed while it loads, a truncated shard, a KV cache too small.
 - A core whose API process is SIGKILLed while the engine loads exits at once, instead of
   loading on, holding the model's memory, until it says "ready" to nobody.
 """
@@ -29,7 +30,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import Server, run_server
+from tests.server_utils import Server, free_port, run_server
 from tests.tiny_models import make_checkpoint
 
 FLAGS = ("--dtype", "float32", "--block-size", "4", "--kv-cache-memory", "4MiB",
@@ -43,8 +44,17 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 def core_pids(server: Server) -> list[int]:
     """The server's engine core processes (multiprocessing's spawned children)."""
-    pid = server.process.pid
-    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return _spawned(server.process.pid)
+
+
+def _spawned(pid: int) -> list[int]:
+    """The children of any thread of ``pid`` that multiprocessing spawned."""
+    children: list[str] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
     out = []
     for child in map(int, children):
         try:
@@ -167,6 +177,63 @@ def test_a_core_that_cannot_start_says_why(ckpt: pathlib.Path, tmp_path: pathlib
     with pytest.raises(RuntimeError, match=r"failed to start: .*cannot hold one sequence"), \
             run_server(ckpt, *flags, "--kv-cache-memory", "1KiB", log_dir=tmp_path):
         pass
+
+
+def _exits_after_failing(cmd: list[str], log: pathlib.Path,
+                         kill_core: bool = False) -> tuple[int, float, str]:
+    """Run a server that cannot start: its exit code, the seconds from the failure (the
+    core's kill, or the log's "failed to start" line) to its exit, and its log."""
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        failed = None
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if kill_core and failed is None:
+                found = _spawned(proc.pid)
+                if found:  # killed while it starts, long before it could be ready
+                    os.kill(found[0], signal.SIGKILL)
+                    failed = time.monotonic()
+            elif failed is None and "the engine failed to start" in log.read_text():
+                failed = time.monotonic()
+            time.sleep(0.01)
+        code = proc.poll()
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    text = log.read_text()
+    assert code is not None and failed is not None, text[-3000:]
+    return code, exited - failed, text
+
+
+@pytest.mark.parametrize("fault", ["killed", "truncated shard", "does not fit"])
+def test_a_server_whose_engine_cannot_start_exits_non_zero(
+        fault: str, ckpt: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A supervisor (compose, systemd, Kubernetes) sees the server exit 1 within seconds of
+    the failure, with the reason in its log, instead of a 503 "loading" until killed."""
+    model = ckpt
+    flags = list(FLAGS)
+    if fault == "truncated shard":
+        model = tmp_path / "truncated"
+        model.mkdir()
+        for file in ckpt.iterdir():
+            data = file.read_bytes()
+            (model / file.name).write_bytes(
+                data[: len(data) // 2] if file.suffix == ".safetensors" else data)
+    elif fault == "does not fit":
+        flags[flags.index("4MiB")] = "1KiB"
+    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model),
+           "--port", str(free_port()), "--log-level", "warning", *flags]
+    code, after, text = _exits_after_failing(cmd, tmp_path / "server.log",
+                                             kill_core=fault == "killed")
+    assert code == 1, text[-3000:]
+    assert after < 10, (after, text[-3000:])
+    reason = {"killed": "exited with code -9 before it was ready",
+              "truncated shard": "safetensors",
+              "does not fit": "cannot hold one sequence"}[fault]
+    assert reason in text and "exiting in" in text, text[-3000:]
 
 
 # An API process reduced to its launch: it waits for the core's "ready" (a script for
