@@ -31,7 +31,7 @@ def json_object(value: dict[str, Any] | str, param: str,
                                   param=param)
     return dict(value)
 
-DEFAULT_CPU_KV_MEMORY = "2GiB"  # a sensible share of a 24 GiB machine
+DEFAULT_CPU_KV_MEMORY = "2GiB"  # where no budget can be read (no /proc/meminfo)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 
 
@@ -53,7 +53,13 @@ class EngineConfig:
         device: "cpu", "cuda", "cuda:N"; None = CUDA if available, else CPU.
         block_size: tokens per KV block.
         kv_cache_memory: bytes for the KV pool ("2GiB"); None = the device default (CPU:
-            2 GiB; CUDA: a fraction of free memory after weights and a profiled step).
+            what ``memory_budget`` leaves after the weights, their copies and the
+            workspace, at most what ``max_num_seqs`` sequences of ``max_model_len`` tokens
+            need; CUDA: a fraction of free memory after weights and a profiled step).
+        memory_budget: what the engine process may hold in all (`engine.memory_plan`):
+            None or "auto" = 90% of what the machine (or its cgroup) has available at
+            start, a share in (0, 1], or a size ("20GiB"); a model whose weights do not
+            fit is refused before it loads.
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: tokens fed to the model per step.
         max_prefill_slowdown: while sequences decode, prefill chunks take only the tokens
@@ -115,6 +121,7 @@ class EngineConfig:
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None
+    memory_budget: str | int | float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_slowdown: float | None = None

@@ -122,7 +122,8 @@ def kv_memory_bytes(config: EngineConfig, device: torch.device,
                     profile_peak: int | None = None) -> int:
     """Bytes for the KV pool.
 
-    Explicit ``kv_cache_memory`` wins. On the CPU the default is 2 GiB. On CUDA it is
+    Explicit ``kv_cache_memory`` wins (on the CPU the engine's memory plan sizes it
+    otherwise: `LLMEngine._plan_memory`; this default is for a caller without one). On CUDA it is
     ``gpu_memory_utilization`` of the device's total memory, less what the weights and one
     profiled max-size step (``profile_peak``, bytes) already took.
     """

@@ -66,3 +66,22 @@ def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out: torch.Tensor = ops(variant).compact_linear(x, weight, None, None, 16, 0, bias,
                                                     COMPACT_TILE_ROWS)
     return out
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, exponents: torch.Tensor,
+                 bias: torch.Tensor | None, variant: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` over an MXFP4 weight read as a checkpoint stores it: each
+    value its exact E2M1 value times its block's power of two, float32 FMA.
+
+    Args:
+        x: [m, k] float32 or bf16 (k a multiple of 32).
+        blocks: uint8 [n, k / 32, 16]: two E2M1 codes a byte, value 2i in byte i's low nibble.
+        exponents: uint8 [n, k / 32]: E8M0, the block's 2^(e - 127).
+        bias: [n] or None.
+        variant: the kernel variant (`kernels.cpu_isa.VARIANTS`); default this CPU's.
+
+    Returns:
+        [m, n] in x's dtype, each value one float32 sum rounded once.
+    """
+    out: torch.Tensor = ops(variant).mxfp4_linear(x, blocks, exponents, bias, COMPACT_TILE_ROWS)
+    return out

@@ -57,7 +57,12 @@ FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
      "CPU: half the KV bytes)"),
     ("device", str, "cpu, cuda or cuda:N (default: CUDA if present)"),
     ("block-size", int, "tokens per KV block"),
-    ("kv-cache-memory", str, "bytes for the KV cache (one pool for all layers), e.g. 2GiB"),
+    ("kv-cache-memory", str, "bytes for the KV cache (one pool for all layers), e.g. 2GiB "
+     "(default: what --memory-budget leaves after the weights, their copies and the "
+     "workspace, at most what max-num-seqs sequences of max-model-len tokens need)"),
+    ("memory-budget", str, "what the engine process may hold in all: auto (90%% of what "
+     "the machine or its cgroup has available at start), a share such as 0.8, or a size "
+     "such as 20GiB; a model whose weights do not fit is refused before it loads"),
     ("max-num-seqs", int, "sequences running at once"),
     ("max-num-batched-tokens", int, "tokens per engine step (unset: 512 on the CPU, at "
      "least max-num-seqs; 2048 on CUDA)"),

@@ -146,6 +146,12 @@ class _EngineCollector(Collector):
         for pos, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
             c.add_metric([*label, str(pos)], float(count))
         yield c
+        g = _gauge("memory_plan_bytes", "The engine process's memory plan, decided at start "
+                   "(docs/design.md §12), by part: weights, copies, kv, workspace, their "
+                   "total, and the budget they were planned against.", ["part"])
+        for part, value in stats.get("memory_plan_bytes", {}).items():
+            g.add_metric([*label, part], float(value))
+        yield g
         yield from self._groups(label, stats)
         yield from self._admission(label, stats)
         if self.metrics.compat == "vllm":

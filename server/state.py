@@ -35,6 +35,7 @@ class ServeArgs:
     device: str | None = None
     block_size: int = 16
     kv_cache_memory: str | None = None
+    memory_budget: str | None = None  # None: "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: step_tokens() picks by device
     max_prefill_slowdown: float | None = None
@@ -77,6 +78,7 @@ class ServeArgs:
                     int16_activations=self.int16_activations,
                     kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                    memory_budget=self.memory_budget,
                     max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.step_tokens(),
                     max_prefill_slowdown=self.max_prefill_slowdown,

@@ -24,7 +24,10 @@ class RingHarness:
                  num_seqs: int = 1, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         cfg = model.config
-        dtype = kv_dtype or next(model.parameters()).dtype  # the caches' dtype
+        # the caches' dtype: the activations' (a WideningEmbedding's table keeps its stored
+        # bf16 under float32 activations)
+        embed = model.model.embed_tokens
+        dtype = kv_dtype or getattr(embed, "out_dtype", None) or next(model.parameters()).dtype
         self.spec = kv_cache_spec(cfg, block_size, dtype)
         blocks = self.spec.pool_blocks_needed(max_tokens) * num_seqs
         self.kv = KVCacheManager(self.spec, blocks, max_model_len=max_tokens, debug=True)

@@ -11,16 +11,16 @@ import safetensors.torch
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from ringserve.engine.loading import build, mxfp4
+from ringserve.engine.loading import mxfp4
 from ringserve.engine.loading.mxfp4 import (
     FP4_VALUES,
     dequantize_mxfp4,
     merge_mxfp4,
-    mxfp4_int8,
     quantize_mxfp4,
 )
 from ringserve.engine.models.moe import ExpertLinears, ExpertWeights
-from ringserve.kernels.quant import dequantize
+from ringserve.engine.models.packed_linear import Mxfp4Linear
+from ringserve.kernels import cpu_gemm
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
 
@@ -83,27 +83,50 @@ def mxfp4_experts(weights: dict[str, torch.Tensor],
     return packed, plain
 
 
-def test_mxfp4_int8_holds_the_same_numbers() -> None:
-    torch.manual_seed(1)
-    weight = torch.randn(7, 96) * torch.rand(7, 1) * 5
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.dtype) -> None:
+    """The blocks as stored, multiplied in registers (both paths: weight rows side by side
+    for few x rows, float32 tiles for many), against float64 over the weight as
+    transformers' own convert_moe_packed_tensors dequantises it: every exponent a real
+    checkpoint may hold, tiny and huge blocks included (float32 holds each 2^(e - 127))."""
+    torch.manual_seed(rows)
+    weight = torch.randn(3, 67, 192) * torch.rand(3, 67, 1) * 4
     blocks, scales = quantize_mxfp4(weight)
-    qw = mxfp4_int8(blocks, scales)
-    assert qw is not None and (qw.bits, qw.group) == (8, 32)
-    assert torch.equal(dequantize(qw, torch.float32), dequantize_mxfp4(blocks, scales))
-    assert qw.nbytes == 7 * 96 + 7 * 3 * 2  # a byte a weight, a float16 a block
-    tiny = scales.clone()
-    tiny[0, 0] = 127 - 28  # 2**-28: no float16 holds its half
-    assert mxfp4_int8(blocks, tiny) is None
+    scales[0, 0, 0], scales[0, 1, 1], scales[0, 2, 5] = 127 - 30, 127 + 20, 127 - 100
+    x = torch.randn(rows, 192).to(dtype)
+    bias = torch.randn(67)
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].T
+    got = cpu_gemm.mxfp4_linear(x, blocks[0], scales[0], bias, variant=cpu_variant)
+    expected = x.double() @ reference.double().T + bias.double()
+    assert got.dtype == dtype and got.shape == (rows, 67)
+    # float32 sums of 192 products: each off by at most ~192 float32 roundings of the sum
+    # of the products' magnitudes (a block of huge weights makes some sums huge); bf16
+    # output rounds once more
+    terms = x.double().abs() @ reference.double().abs().T + bias.double().abs()
+    bound = 192 * 2**-24 * terms + (2**-8 * expected.abs() if dtype == torch.bfloat16 else 0)
+    assert bool(((got.double() - expected).abs() <= bound + 1e-6).all())
 
 
-@pytest.mark.parametrize("out_of_range", [False, True], ids=["int8", "one-expert-widened"])
+def test_mxfp4_linear_holds_the_stored_bytes() -> None:
+    """A linear made from a checkpoint's blocks keeps them (4.25 bits a weight), and refuses
+    blocks that do not match their exponents."""
+    blocks, scales = quantize_mxfp4(torch.randn(5, 64))
+    layer = Mxfp4Linear(blocks, scales)
+    assert layer.blocks.data_ptr() == blocks.data_ptr()
+    assert layer.blocks.nbytes + layer.exponents.nbytes == 5 * 64 * 4.25 / 8
+    with pytest.raises(ValueError, match="do not match"):
+        Mxfp4Linear(blocks[:, :1], scales)
+
+
+@pytest.mark.parametrize("out_of_range", [False, True], ids=["mxfp4", "tiny-block"])
 def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_of_range: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny gpt-oss with its expert weights stored as MXFP4 blocks and scales: our model
     reads them and matches transformers running the same weights dequantised by its own
     convert_moe_packed_tensors, in a plain checkpoint beside it. On the CPU every expert is
-    served as the exact int8 form of its blocks, and nothing is widened, unless a block's
-    exponent has no float16 half: then that expert alone is."""
+    served from its blocks as stored (`Mxfp4Linear`) and nothing is widened, a block of
+    tiny weights (an exponent no float16 holds half of) included."""
     path = make_checkpoint("gpt_oss", tmp_path)
     (file,) = path.glob("*.safetensors")
 
@@ -122,16 +145,13 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_o
     ids = random_tokens(6 * W, seed=4)
     with torch.no_grad():
         expected = hf_reference(ref_dir)(torch.tensor([ids])).logits[0]
-    if not out_of_range:
-        def widened(*_args: object) -> None:
-            raise AssertionError("an MXFP4 expert was widened")
-        monkeypatch.setattr(build, "dequantize_mxfp4", widened)
-        monkeypatch.setattr(mxfp4, "dequantize_mxfp4", widened)
+    def widened(*_args: object) -> None:
+        raise AssertionError("an MXFP4 expert was widened")
+    monkeypatch.setattr(mxfp4, "dequantize_mxfp4", widened)
     model = load_ours(str(path))
     experts = [m for m in model.modules() if isinstance(m, ExpertLinears)]
     assert experts and not [m for m in model.modules() if isinstance(m, ExpertWeights)]
-    kinds = [type(lin).__name__ for e in experts for lin in [*e.gate_up, *e.down]]
-    widened_ones = len(kinds) - kinds.count("QuantLinear")
-    assert widened_ones == (1 if out_of_range else 0), kinds
+    kinds = {type(lin).__name__ for e in experts for lin in [*e.gate_up, *e.down]}
+    assert kinds == {"Mxfp4Linear"}, kinds
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

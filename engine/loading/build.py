@@ -15,20 +15,27 @@ import torch
 from torch import nn
 
 from ringserve.engine.kv_cache import model_layer_groups
-from ringserve.engine.loading.checkpoint import check_model_type, iter_weights, load_hf_config
-from ringserve.engine.loading.find import weight_files
-from ringserve.engine.loading.mxfp4 import dequantize_mxfp4, merge_mxfp4, mxfp4_int8
+from ringserve.engine.loading.checkpoint import (
+    check_model_type,
+    iter_weights,
+    load_hf_config,
+    stored_tensors,
+)
+from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.mxfp4 import merge_mxfp4
 from ringserve.engine.loading.quantize import quantize_model
 from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
+from ringserve.engine.models.layers import WideningEmbedding
 from ringserve.engine.models.moe import ExpertLinears, MoE, split_experts
 from ringserve.engine.models.packed_linear import (
     CompactLinear,
+    Mxfp4Linear,
     can_compact,
     can_pack,
     fuse_projections,
     pack_linears,
 )
-from ringserve.engine.models.quant_linear import QuantLinear
+from ringserve.kernels import cpu_build
 
 
 def load_model(
@@ -66,12 +73,15 @@ def load_model(
     cfg = model_config_from_hf(hf_config)
     # NOTE: built on the meta device so no memory is spent on a random init we overwrite.
     with torch.device("meta"):
-        model = CausalLM(cfg, model_layer_groups(cfg))
-    # MXFP4 experts: exact int8 blocks on a CPU (never widened), widened once elsewhere
-    compact = _mxfp4_moes(model, Path(path)) if torch.device(device).type == "cpu" else {}
+        model = CausalLM(cfg, model_layer_groups(cfg)).to(dtype)
+    stored = stored_tensors(path)
+    # MXFP4 experts: served as stored on a CPU (never widened), widened once elsewhere
+    native = torch.device(device).type == "cpu" and cpu_build.available()
+    compact = _mxfp4_moes(model, stored) if native else {}
     for moe in compact.values():  # their stacked float weights are never made
         del moe.experts.gate_up_proj, moe.experts.down_proj
-    model = model.to_empty(device=device).to(dtype)
+    kept = _keep_stored_bf16(model, stored, dtype, torch.device(device), pack)
+    model = model.to_empty(device=device)
     model.tie_weights()
     blocks: dict[str, list[nn.Module]] = {}
     weights = _take_mxfp4(iter_weights(path), compact, blocks, dtype)
@@ -86,24 +96,46 @@ def load_model(
     if pack and can_pack(dtype, torch.device(device)):
         fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)
-    elif pack and can_compact(dtype, torch.device(device)):
+    elif pack and (kept or can_compact(dtype, torch.device(device))):
         fuse_projections(model)
-        pack_linears(model, CompactLinear)
+        pack_linears(model, CompactLinear, bf16_only=True)
     return model.eval()
+
+
+def _keep_stored_bf16(model: nn.Module, stored: dict[str, tuple[str, tuple[int, ...]]],
+                      dtype: torch.dtype, device: torch.device, pack: bool) -> int:
+    """Under float32 activations on a CPU, give every linear and the token embedding whose
+    checkpoint stores bf16 a bf16 parameter (still on the meta device): the weights are then
+    held in the bytes they are stored in, not widened to twice them. Linears multiply it by
+    `CompactLinear` (float32 FMA over the bf16 weight widened in registers: the same
+    numbers as the widened weight), the embedding widens the rows it looks up
+    (`WideningEmbedding`). How many were kept (0 where the activations are not float32,
+    the device is not a CPU, or the CPU kernels are not built).
+    """
+    if dtype != torch.float32 or device.type != "cpu" or not pack or not cpu_build.available():
+        return 0
+    bf16 = {name for name, (kind, _) in stored.items() if kind == "BF16"}
+    count = 0
+    for prefix, module in model.named_modules():
+        if type(module) not in (nn.Linear, nn.Embedding) or f"{prefix}.weight" not in bf16:
+            continue
+        module.weight = nn.Parameter(module.weight.to(torch.bfloat16), requires_grad=False)
+        count += 1
+    embed: Any = model.model.embed_tokens  # type: ignore[union-attr]
+    if embed.weight.dtype == torch.bfloat16:
+        model.model.embed_tokens = WideningEmbedding(embed.weight, dtype)  # type: ignore[union-attr]
+    if getattr(model.config, "tie_word_embeddings", False):  # the head reads the same table
+        model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    return count
 
 
 _PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
-def _mxfp4_moes(model: nn.Module, folder: Path) -> dict[str, MoE]:
+def _mxfp4_moes(model: nn.Module, stored: dict[str, Any]) -> dict[str, MoE]:
     """gpt-oss's mixtures of experts whose stacked projections the checkpoint holds in
     MXFP4, by module name (read from the files' headers, no tensor loaded)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            names.update(handle.keys())
+    names = set(stored)
     return {name: module for name, module in model.named_modules()
             if type(module) is MoE and all(f"{name}.experts.{p}_{part}" in names
                                             for p in _PROJECTIONS
@@ -114,8 +146,8 @@ def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE
                 out: dict[str, list[nn.Module]],
                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass every tensor on but the MXFP4 blocks and scales of ``moes``: each pair becomes
-    one linear an expert (`mxfp4_int8`; an expert whose exponents float16 cannot halve is
-    widened to ``dtype``), into ``out`` under ``<moe>.<projection>``."""
+    one `Mxfp4Linear` an expert, over views of the tensors as they were read (the stored
+    bytes, never widened or copied), into ``out`` under ``<moe>.<projection>``."""
     wanted = {f"{m}.experts.{p}_{part}": (f"{m}.{p}", part) for m in moes
               for p in _PROJECTIONS for part in ("blocks", "scales")}
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,18 +161,12 @@ def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE
         if len(parts) < 2:
             continue
         del pending[key]
-        linears: list[nn.Module] = []
-        for codes, exps in zip(parts["blocks"], parts["scales"], strict=True):
-            qw = mxfp4_int8(codes, exps)
-            if qw is not None:
-                linears.append(QuantLinear(qw, None))
-                continue
-            weight = dequantize_mxfp4(codes, exps).to(dtype)
-            with torch.device("meta"):
-                linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-            linears.append(linear)
-        out[key] = linears
+        blocks, scales = parts["blocks"], parts["scales"]
+        if blocks.dim() != 4 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
+            raise ModelLoadError(f"{key}: mxfp4 blocks {list(blocks.shape)} do not match "
+                                 f"scales {list(scales.shape)}")
+        out[key] = [Mxfp4Linear(codes, exps) for codes, exps in zip(blocks, scales,
+                                                                     strict=True)]
 
 
 def _attach_experts(moes: dict[str, MoE], linears: dict[str, list[nn.Module]]) -> None:

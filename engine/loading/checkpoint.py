@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,10 +32,51 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# safetensors' dtype names -> torch's
+_STORED: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """(where the data starts, the header's tensor entries) of one safetensors file, read
+    from its first bytes alone.
+
+    Raises:
+        ModelLoadError: the file is too short for its header or the header is not JSON.
+    """
+    with file.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ModelLoadError(f"{file.name} is not a safetensors file (truncated)")
+        (size,) = struct.unpack("<Q", raw)
+        text = f.read(size)
+    try:
+        if len(text) < size:
+            raise ValueError("truncated header")
+        header = json.loads(text)
+    except ValueError as err:
+        raise ModelLoadError(f"{file.name}: unreadable safetensors header ({err})") from err
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def stored_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every stored tensor's (safetensors dtype, shape), from the files' headers alone."""
+    return {name: (entry["dtype"], tuple(entry["shape"]))
+            for file in weight_files(Path(path))
+            for name, entry in safetensors_header(file)[1].items()}
+
+
 def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a folder's safetensors checkpoint, sharded or not.
 
-    Tensors come in their stored dtype, on the CPU, one file open at a time.
+    Tensors come in their stored dtype, on the CPU, each read into memory of its own as it
+    is yielded (plain reads in file order, no mapping): a loader that moves each into its
+    place before the next holds at most one tensor beyond the model, and the file's pages
+    stay page cache, never this process's resident memory (docs/design.md §12).
 
     Args:
         path: the model folder.
@@ -43,18 +85,34 @@ def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
         An iterator of `(name, tensor)` pairs, names as stored (e.g. `model.embed_tokens.weight`).
 
     Raises:
-        ModelLoadError: no safetensors files, or one tensor name stored twice.
+        ModelLoadError: no safetensors files, one tensor name stored twice, a dtype this
+            reader does not know, or a file shorter than its header says (a truncated shard).
     """
-    from safetensors import safe_open
-
     seen: set[str] = set()
     for file in weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+        start, header = safetensors_header(file)
+        size = file.stat().st_size
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        with file.open("rb", buffering=0) as f:
+            for name, entry in entries:
                 if name in seen:
                     raise ModelLoadError(f"tensor {name!r} is stored twice (again in {file.name})")
                 seen.add(name)
-                yield name, handle.get_tensor(name)
+                dtype = _STORED.get(entry["dtype"])
+                if dtype is None:
+                    raise ModelLoadError(f"{file.name}: tensor {name!r} has dtype "
+                                         f"{entry['dtype']}, which ringserve cannot read")
+                begin, end = entry["data_offsets"]
+                if start + end > size:
+                    raise ModelLoadError(f"{file.name} is truncated: tensor {name!r} ends at "
+                                         f"byte {start + end}, the file has {size}")
+                tensor = torch.empty(entry["shape"], dtype=dtype)
+                if end > begin:
+                    buffer: Any = tensor.view(-1).view(torch.uint8).numpy()
+                    f.seek(start + begin)
+                    if f.readinto(buffer) != end - begin:
+                        raise ModelLoadError(f"{file.name}: short read of tensor {name!r}")
+                yield name, tensor
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:

@@ -7,13 +7,10 @@ high), and ``name_scales`` [..., rows, G] uint8, one power of two a block, biase
 gpt-oss's parameters hold its transpose ([experts, in, out]), as transformers' do.
 
 `merge_mxfp4` turns each pair of a checkpoint's tensors into the float tensor the model's
-parameter takes (widened once at load: the experts then run in the model's dtype).
-`mxfp4_int8` turns one expert's pair into int8 blocks of 32 with a float16 scale each
-(`kernels.quant.QuantizedWeight`, bits 8) that hold exactly the same numbers: every FP4
-value doubled is an integer in -12..12, and the block's power of two halved is a float16
-for every exponent real checkpoints use. That is what a CPU serves (`engine.loading.build`):
-8.5 bits a weight instead of bf16's 16, never widened whole at load, read by the int8
-kernels. `quantize_mxfp4` is the inverse, for tests that make MXFP4 checkpoints of their own.
+parameter takes (widened once at load: the experts then run in the model's dtype), where
+no CPU kernels are built (CUDA). A CPU serves the pairs as they are stored, 4.25 bits a
+weight (`engine.models.packed_linear.Mxfp4Linear`, `engine.loading.build`).
+`quantize_mxfp4` is the inverse, for tests that make MXFP4 checkpoints of their own.
 """
 
 from __future__ import annotations
@@ -23,15 +20,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ringserve.engine.loading.errors import ModelLoadError
-from ringserve.kernels.quant import QuantizedWeight
 
 # E2M1: sign, two exponent bits, one mantissa bit; codes 0-7 positive, 8-15 their negatives
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 BLOCK = 32
 _BLOCKS, _SCALES = "_blocks", "_scales"
-# float16 holds 2**k exactly for k in [-24, 15] (subnormals included)
-_F16_EXPONENTS = range(-24, 16)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -46,23 +40,6 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = table[codes].flatten(-2)  # [..., G, 32]: low nibble first
     exponents = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
-
-
-def mxfp4_int8(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight | None:
-    """One matrix's [rows, G, 16] codes and [rows, G] exponents -> the same numbers as int8
-    [rows, G * 32] (twice each FP4 value) with float16 scales [rows, G] (half each block's
-    power of two); None when an exponent has no exact float16 half."""
-    if blocks.dim() != 3 or scales.shape != blocks.shape[:2]:
-        raise ModelLoadError(f"mxfp4 blocks {list(blocks.shape)} do not match scales "
-                             f"{list(scales.shape)}")  # fmt: skip
-    exponents = scales.to(torch.int32) - 128  # the scale of the doubled values
-    if bool((exponents < _F16_EXPONENTS.start).any() | (exponents >= _F16_EXPONENTS.stop).any()):
-        return None
-    table = (torch.tensor(FP4_VALUES) * 2).to(torch.int8)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [rows, G, 16, 2]
-    values = table[codes].flatten(-3)  # [rows, G * 32]: low nibble first
-    half = torch.ldexp(torch.ones(exponents.shape), exponents).to(torch.float16)
-    return QuantizedWeight(8, BLOCK, values.contiguous(), half.contiguous())
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

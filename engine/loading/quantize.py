@@ -213,7 +213,9 @@ def _replace(model: nn.Module,
         setattr(parent, child_name, layer)
         count += 1
         if tied and child is head:
-            model.model.embed_tokens = QuantEmbedding(layer, embed.weight.dtype)  # type: ignore[union-attr,operator]
+            assert embed is not None  # tied: the head reads its table
+            out = getattr(embed, "out_dtype", embed.weight.dtype)  # a WideningEmbedding's
+            model.model.embed_tokens = QuantEmbedding(layer, out)  # type: ignore[union-attr,operator]
     return count
 
 
@@ -223,6 +225,7 @@ class WeightBytes:
 
     resident: int
     per_token: int
+    copies: int = 0  # of ``resident``: copies beside a weight (packed, widened, the head's)
 
     def describe(self) -> str:
         return (f"weights {self.resident / 2**20:.1f} MiB; a decode step reads "
@@ -235,7 +238,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     of a `PackedLinear`'s two copies (the decode path reads the plain one), and of a
     mixture of experts the ``k`` of ``E`` experts a token is routed to."""
     seen: set[int] = set()
-    resident = per_token = 0
+    resident = per_token = copies = 0
     embed, tied = _embedding(model)
     lookup_only = {id(embed.weight)} if embed is not None and not tied else set()
     per_layer = getattr(getattr(model, "model", None), "embed_tokens_per_layer", None)
@@ -255,15 +258,20 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             seen.add(id(tensor))
             size = tensor.numel() * tensor.element_size()
             resident += size
+            if tensor is skip:
+                copies += size
             if id(tensor) not in lookup_only and tensor is not skip:
                 per_token += round(size * share.get(id(tensor), 1.0))
         if isinstance(module, QuantLinear):
             # widened or rounded copies beside the quantized weight (not buffers, but for
             # oneDNN's `packed`, counted above: see QuantLinear)
-            resident += sum(t.numel() * t.element_size() for t in module.copies()
-                            if t is not module.packed)
+            extra = sum(t.numel() * t.element_size() for t in module.copies()
+                        if t is not module.packed)
+            resident += extra
+            copies += extra
         if isinstance(module, QuantLinear) and module.greedy is not None:
             resident += module.greedy.nbytes()  # engine.models.greedy_head's copy
-    return WeightBytes(resident, per_token)
+            copies += module.greedy.nbytes()
+    return WeightBytes(resident, per_token, copies)
 
 

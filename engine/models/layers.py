@@ -22,6 +22,25 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class WideningEmbedding(nn.Embedding):
+    """An embedding whose table is held in its stored dtype (bf16) under wider activations
+    (float32): only the looked-up rows are widened, exactly.
+
+    Args:
+        weight: the table (its parameter is shared, e.g. with a tied head).
+        out_dtype: the activations' dtype.
+    """
+
+    def __init__(self, weight: nn.Parameter, out_dtype: torch.dtype) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True,
+                         device="meta")
+        self.weight = weight
+        self.out_dtype = out_dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input, self.weight).to(self.out_dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. ``plus_one``: Gemma's ``x * (1 + w)``, cast after the multiply.
 

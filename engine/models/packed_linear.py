@@ -129,6 +129,42 @@ class CompactLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, compact"
 
 
+class Mxfp4Linear(nn.Module):
+    """A linear whose weight stays in the MXFP4 blocks a checkpoint stores (gpt-oss's
+    experts): 4.25 bits a weight, never widened in memory; `kernels.cpu_gemm.mxfp4_linear`
+    widens each value in registers to its exact float32 value.
+
+    Args:
+        blocks: uint8 [out, in / 32, 16] (two E2M1 codes a byte).
+        exponents: uint8 [out, in / 32] (E8M0).
+        bias: [out] or None.
+    """
+
+    def __init__(self, blocks: torch.Tensor, exponents: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, groups = exponents.shape
+        self.in_features = groups * 32
+        if blocks.shape != (self.out_features, groups, 16) or blocks.dtype != torch.uint8 \
+                or exponents.dtype != torch.uint8:
+            raise ValueError(f"mxfp4 blocks {list(blocks.shape)} do not match exponents "
+                             f"{list(exponents.shape)} (uint8 [out, in / 32, 16] and "
+                             "[out, in / 32])")
+        self.blocks: torch.Tensor
+        self.exponents: torch.Tensor
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.register_buffer("exponents", exponents.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = cpu_gemm.mxfp4_linear(flat, self.blocks, self.exponents, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
+
+
 def _concat(layers: list[nn.Linear]) -> nn.Linear:
     """One linear computing ``layers`` side by side (outputs concatenated in order)."""
     first = layers[0]
@@ -171,9 +207,10 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
-def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear) -> int:
-    """Replace every `nn.Linear` in ``model`` by a ``kind`` (`PackedLinear` or
-    `CompactLinear`) made from it, in place.
+def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear,
+                 bf16_only: bool = False) -> int:
+    """Replace every `nn.Linear` in ``model`` (with ``bf16_only``, every one whose weight is
+    bf16) by a ``kind`` (`PackedLinear` or `CompactLinear`) made from it, in place.
 
     Returns:
         The number of layers replaced.
@@ -181,7 +218,8 @@ def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear) -> int:
     targets = [(parent, name, child)
                for parent in model.modules()
                for name, child in parent.named_children()
-               if type(child) is nn.Linear]  # fmt: skip
+               if type(child) is nn.Linear
+               and (not bf16_only or child.weight.dtype == torch.bfloat16)]  # fmt: skip
     for parent, name, child in targets:
         setattr(parent, name, kind(child))
     return len(targets)

@@ -1,7 +1,7 @@
 // y = x w^T + b with the weight kept compact in memory (bf16, int8 or 4-bit in
-// kernels/quant.py's layout) and every product and sum in float32: the linear layers of
-// CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16, aarch64), and of float32
-// activations on any CPU.
+// kernels/quant.py's layout, or MXFP4 as checkpoints store it) and every product and sum in
+// float32: the linear layers of CPUs without bf16 arithmetic (AVX2, AVX-512 without BF16,
+// aarch64), of float32 activations on any CPU, and MXFP4 experts on every CPU.
 //
 // One source for every kernel variant (kernels/cpu_isa.py): GCC vector types of VW floats
 // (16 where the build targets AVX-512, 8 elsewhere) compile to AVX-512, AVX2+FMA, SSE2 or
@@ -9,7 +9,9 @@
 //
 // Few x rows (decode, run_rows): each weight row is read once, widened in registers to its
 // real value (bf16: a 16-bit shift; int8: a conversion times the group's scale; 4-bit: a
-// shift and a mask of the packed byte, a conversion, times the scale plus the min) and
+// shift and a mask of the packed byte, a conversion, times the scale plus the min; MXFP4:
+// a block's 16 bytes split into 32 codes, each looked up as twice its E2M1 value by a
+// byte shuffle, a conversion, times half the block's power of two) and
 // dotted with every x row by FMA. Up to four weight rows go side by side so that one x row
 // still has independent sums (an FMA's latency is four of its issue slots).
 // Many x rows (prefill, large batches: run_tiles): the weight is compute-bound there, so
@@ -51,6 +53,7 @@ typedef int8_t vi8 __attribute__((vector_size(VW)));
 typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
 constexpr int kBF16 = 16, kInt8 = 8, kInt4 = 4;  // the weight kinds (bits a value)
+constexpr int kMxfp4 = 1;  // OCP MXFP4: E2M1 codes, two a byte, an E8M0 exponent per 32
 constexpr int64_t kMaxRows = 8;                  // x rows a pass of run_rows
 
 template <typename V>
@@ -73,6 +76,7 @@ struct Weight {
   int64_t row_bytes, k, group, groups;
   const c10::Half* scales;  // [n, groups] (int8, 4-bit)
   const c10::Half* mins;    // [n, groups] (4-bit)
+  const uint8_t* exponents;  // [n, groups] (MXFP4: E8M0, the block's 2^(e - 127))
 };
 
 // VW values as stored (before scale and min), from p: bf16 and int8 at their own offset;
@@ -82,6 +86,48 @@ struct Weight {
 // NOTE: GCC turns a vector conversion from 8-bit or 16-bit lanes into scalar code (one
 // cvtsi2ss a value: ~5x slower, measured); the x86 variants widen with the instructions
 // made for it, the portable one goes through 32-bit lanes.
+// MXFP4: the 32 values of one block from its 16 bytes at p (value 2i in byte i's low
+// nibble, 2i + 1 in its high one) into out[0 .. 32 / VW), each twice its E2M1 value (an
+// integer in -12..12: a byte table lookup, then one conversion; the block's scale is
+// halved to match, `e8m0_half`).
+alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline void decode_fp4(const uint8_t* p, vf* out) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
+  const __m128i v0 = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));  // values 0-15
+  const __m128i v1 = _mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi));  // values 16-31
+#if defined(__AVX512F__)
+  out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0));
+  out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1));
+#else
+  out[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+  out[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+  out[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+  out[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+#endif
+#else
+  for (int u = 0; u < 32 / VW; ++u)
+    for (int i = 0; i < VW; ++i) {
+      const int at = u * VW + i;
+      out[u][i] = kE2M1x2[(p[at / 2] >> (4 * (at & 1))) & 0xF];
+    }
+#endif
+}
+
+// Half of an E8M0 exponent's 2^(e - 127), exactly (a float32 for every e; 255 is NaN).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e == 255 ? 0x7FC00000u : e >= 2 ? static_cast<uint32_t>(e - 1) << 23
+                                                        : 0x00200000u << e;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 template <int KIND>
 inline vf raw(const uint8_t* p, int shift) {
 #if defined(__AVX512F__)
@@ -119,7 +165,7 @@ inline vf raw(const uint8_t* p, int shift) {
 // Values a step of the quantized loops covers: a 4-bit step is one half of a chunk (one
 // byte address and shift), an int8 step one vector.
 template <int KIND>
-constexpr int64_t kStep = KIND == kInt4 ? 32 : VW;
+constexpr int64_t kStep = KIND == kInt4 || KIND == kMxfp4 ? 32 : VW;
 
 // The first byte of step j's values in a row, and their shift.
 template <int KIND>
@@ -131,7 +177,9 @@ inline int step_shift(uint64_t j) { return static_cast<int>((j & 32) >> 3); }
 // The scales (and mins) of rows [r, r + R) as floats: sc[i * groups + g].
 template <int KIND, int R>
 inline void row_scales(const Weight& w, int64_t r, float* sc, float* mn) {
-  if constexpr (KIND != kBF16) {
+  if constexpr (KIND == kMxfp4) {
+    for (int64_t i = 0; i < R * w.groups; ++i) sc[i] = e8m0_half(w.exponents[r * w.groups + i]);
+  } else if constexpr (KIND != kBF16) {
     for (int64_t i = 0; i < R * w.groups; ++i) {
       sc[i] = half_to_f(w.scales[r * w.groups + i]);
       if constexpr (KIND == kInt4) mn[i] = half_to_f(w.mins[r * w.groups + i]);
@@ -175,6 +223,21 @@ inline void dot_rows(const Weight& w, const float* x, int64_t r, int64_t n, cons
         if constexpr (KIND == kInt4) mv[i] = vf{} + mn[i * w.groups + g];
       }
       for (int64_t j = g * w.group; j < (g + 1) * w.group; j += kStep<KIND>) {
+        if constexpr (KIND == kMxfp4) {
+          // a block a step: each weight row's 32 values decoded once, dotted with every x
+          // row unscaled, and the block's sum scaled once (the scale is a power of two:
+          // the same float32 products and sums as scaling each value, bar overflow)
+          for (int i = 0; i < R; ++i) {
+            vf wv[32 / VW];
+            decode_fp4(rows[i] + j / 2, wv);
+            for (int m = 0; m < M; ++m) {
+              vf block = wv[0] * load<vf>(x + m * k + j);
+              for (int u = 1; u < 32 / VW; ++u) block += wv[u] * load<vf>(x + m * k + j + u * VW);
+              acc[i][m] += block * s[i];
+            }
+          }
+          continue;
+        }
         const int shift = step_shift(j);
         for (int64_t t = 0; t < kStep<KIND>; t += VW)
           for (int i = 0; i < R; ++i) {
@@ -256,12 +319,22 @@ void widen_tile(const Weight& w, int64_t r0, int64_t valid, float* sc, float* mn
       for (int64_t g = 0; g < w.groups; ++g) {
         const vf s = vf{} + sc[g];
         const vf mv = vf{} + (KIND == kInt4 ? mn[g] : 0.f);
-        for (int64_t j = g * w.group; j < (g + 1) * w.group; j += kStep<KIND>)
+        for (int64_t j = g * w.group; j < (g + 1) * w.group; j += kStep<KIND>) {
+          if constexpr (KIND == kMxfp4) {
+            vf block[32 / VW];
+            decode_fp4(row + j / 2, block);
+            for (int u = 0; u < 32 / VW; ++u) {
+              const vf v = block[u] * s;
+              std::memcpy(t + j + u * VW, &v, sizeof(v));
+            }
+            continue;
+          }
           for (int64_t u = 0; u < kStep<KIND>; u += VW) {
             vf v = raw<KIND>(step_bytes<KIND>(row, j) + u, step_shift(j)) * s;
             if constexpr (KIND == kInt4) v += mv;
             std::memcpy(t + j + u, &v, sizeof(v));
           }
+        }
       }
     }
   }
@@ -370,6 +443,43 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight,
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// x: [m, k] float32 or bf16; blocks: uint8 [n, k / 32, 16] or [n, k / 2], as an MXFP4
+// checkpoint stores one matrix (two E2M1 codes a byte, value 2i in byte i's low nibble);
+// exponents: uint8 [n, k / 32] (E8M0, 255 is NaN); bias: [n] or None. Returns [m, n] in x's
+// dtype: every weight is its exact value (E2M1 times 2^(e - 127), a float32), every
+// product and sum float32. More than `tile_rows` x rows take the tiles.
+at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
+                        const at::Tensor& exponents, const std::optional<at::Tensor>& bias,
+                        int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "mxfp4_linear: x must be float32 or bf16 [m, k]");
+  const int64_t k = x.size(1), n = blocks.size(0), rows = x.size(0);
+  TORCH_CHECK(k % 32 == 0, "mxfp4_linear: k must be a multiple of 32");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.numel() == n * k / 2,
+              "mxfp4_linear: blocks must be uint8 [n, k / 32, 16], contiguous");
+  TORCH_CHECK(exponents.scalar_type() == at::kByte && exponents.is_contiguous() &&
+                  exponents.numel() == n * k / 32,
+              "mxfp4_linear: exponents must be uint8 [n, k / 32], contiguous");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "mxfp4_linear: bias must be [n]");
+  Weight w{};
+  w.k = k;
+  w.data = blocks.data_ptr<uint8_t>();
+  w.row_bytes = k / 2;
+  w.group = 32;
+  w.groups = k / 32;
+  w.exponents = exponents.data_ptr<uint8_t>();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bf =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
+                       : std::nullopt;
+  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  if (rows == 0 || n == 0) return out.to(x.scalar_type());
+  run<kMxfp4>(w, xf.data_ptr<float>(), rows, n, bf.has_value() ? bf->data_ptr<float>() : nullptr,
+              tile_rows, out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 // The vector width this build multiplies at (floats): 16 for AVX-512, 8 elsewhere.
 int64_t compact_vector_width() { return VW; }
 
@@ -379,6 +489,11 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("compact_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? mins, int bits, "
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("compact_vector_width() -> int", &compact_vector_width);
+  m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor exponents, Tensor? bias, "
+        "int tile_rows=8) -> Tensor");
 }
 
-RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("compact_linear", &compact_linear); }
+RINGSERVE_IMPL(RINGSERVE_NS, m) {
+  m.impl("compact_linear", &compact_linear);
+  m.impl("mxfp4_linear", &mxfp4_linear);
+}
