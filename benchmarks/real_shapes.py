@@ -300,14 +300,20 @@ def serve(folder: Path, extra: list[str], streams: list[int], max_tokens: int,
             result[f"tpot_ms_{n}"] = round(ms, 1)
             result[f"tok_s_{n}"] = round(rate, 2)
         result["serving_rss_gb"] = round(meter.now() / 1e9, 2)
+        # the engine core alone (the tree's largest process), to hold against its plan
+        result["core_rss_gb"] = round(max(_status(p, "VmRSS") for p in _tree(proc.pid)) / 1e9, 2)
         result["peak_rss_gb"] = round(max(meter.peak, meter.hwm) / 1e9, 2)
         if step_bytes is not None:
             gbs = read_bandwidth()
             result["decode_step_mib"] = round(step_bytes / 2**20, 1)
             result["read_limit_ms"] = round(1000 * step_bytes / gbs, 1)
             result["read_gb_s"] = round(gbs / 1e9, 1)
-        result["plan"] = [line.split(": ", 2)[-1] for line in text.splitlines()
-                          if "memory plan" in line][-1:]
+        plan = [line.split("memory plan: ", 1)[1] for line in text.splitlines()
+                if "memory plan: " in line]
+        result["plan"] = plan[-1] if plan else None
+        total = re.search(r"= ([\d.]+) GiB", plan[-1]) if plan else None
+        if total:
+            result["plan_gb"] = round(float(total.group(1)) * 2**30 / 1e9, 2)
     finally:
         meter.stop()
         proc.terminate()

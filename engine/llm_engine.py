@@ -184,7 +184,8 @@ class LLMEngine:
             stored_tensors(path), act_bytes=torch.empty((), dtype=self.dtype).element_size(),
             keeps_bf16=self.device.type == "cpu" and self.dtype == torch.float32,
             quantization=self.quantization,
-            gguf_blocks=blocks.stat().st_size if blocks.is_file() else 0)
+            gguf_blocks=blocks.stat().st_size if blocks.is_file() else 0,
+            mxfp4_native=self.device.type == "cpu" and cpu_build.available())
         logger.info("memory budget %s (%s); the weights will take ~%.2f GiB, the runtime "
                     "%.2f GiB now", "unknown" if budget is None else f"{budget / GiB:.2f} GiB",
                     why, estimate / GiB, self.runtime_bytes / GiB)

@@ -172,7 +172,8 @@ _STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I
 
 
 def estimate_weights(stored: dict[str, tuple[str, tuple[int, ...]]], *, act_bytes: int,
-                     keeps_bf16: bool, quantization: str, gguf_blocks: int = 0) -> int:
+                     keeps_bf16: bool, quantization: str, gguf_blocks: int = 0,
+                     mxfp4_native: bool = True) -> int:
     """The bytes the weights will take once loaded, from the checkpoint's headers alone
     (nothing loaded), for the refusal of a model that cannot fit.
 
@@ -181,6 +182,8 @@ def estimate_weights(stored: dict[str, tuple[str, tuple[int, ...]]], *, act_byte
         act_bytes: bytes of the activations' dtype (float tensors are held in it).
         keeps_bf16: whether bf16 matrices stay bf16 under wider activations
             (`build._keep_stored_bf16`).
+        mxfp4_native: whether MXFP4 blocks are served as stored (a CPU with its kernels
+            built), else widened to the activations' dtype.
         quantization: the method that runs; "int8" / "int4" hold a matrix at ~1.06 / ~0.63
             bytes a value, "gguf" the folder's repacked blocks (``gguf_blocks`` bytes) in
             place of its matrices.
@@ -188,8 +191,9 @@ def estimate_weights(stored: dict[str, tuple[str, tuple[int, ...]]], *, act_byte
     total = 0
     for name, (kind, shape) in stored.items():
         count = math.prod(shape)
-        if name.endswith(("_blocks", "_scales")) and kind == "U8":
-            total += 2 * count  # MXFP4 -> int8 values (two a byte) and float16 scales
+        if name.endswith(("_blocks", "_scales")) and kind == "U8":  # MXFP4
+            widened = 2 * act_bytes * count if name.endswith("_blocks") else 0
+            total += count if mxfp4_native else widened
         elif kind in ("F32", "F16", "BF16", "F64") and len(shape) == 2 and quantization in (
                 "int8", "int4", "gguf"):
             total += {"int8": count * 34 // 32, "int4": count * 20 // 32, "gguf": 0}[quantization]

@@ -208,9 +208,12 @@ def test_the_estimate_counts_the_served_format() -> None:
               "x_blocks": ("U8", (4, 32, 2, 16)), "x_scales": ("U8", (4, 32, 2))}
     f32 = estimate_weights(stored, act_bytes=4, keeps_bf16=False, quantization="none")
     kept = estimate_weights(stored, act_bytes=4, keeps_bf16=True, quantization="none")
-    blocks = 2 * (4 * 32 * 2 * 17)  # MXFP4 counted at twice its bytes until it is native
+    blocks = 4 * 32 * 2 * 17  # MXFP4 as stored
     assert f32 == 4 * 64000 + 4 * 64 + blocks
     assert kept == 2 * 64000 + 4 * 64 + blocks
+    widened = estimate_weights(stored, act_bytes=2, keeps_bf16=False, quantization="none",
+                               mxfp4_native=False)
+    assert widened == 2 * 64000 + 2 * 64 + 2 * 4 * 32 * 2 * 32
     with loading_allocations():  # a no-op anywhere but glibc, never an error
         torch.empty(1 << 20)
 
