@@ -87,7 +87,9 @@ def load_model(
     model = model.to_empty(device=device)
     model.tie_weights()
     blocks: dict[str, list[nn.Module]] = {}
-    weights = _take_mxfp4(iter_weights(path), compact, blocks, dtype)
+    params = dict(model.named_parameters())  # read in place where the stored format is theirs
+    weights = _take_mxfp4(iter_weights(path, into={n: p.data for n, p in params.items()}),
+                          compact, blocks, dtype)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
     split_experts(model)  # each expert's projections: linears, packed or quantized below

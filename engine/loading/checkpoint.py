@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +70,8 @@ def stored_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[i
             for name, entry in safetensors_header(file)[1].items()}
 
 
-def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a folder's safetensors checkpoint, sharded or not.
 
     Tensors come in their stored dtype, on the CPU, each read into memory of its own as it
@@ -80,6 +81,9 @@ def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
 
     Args:
         path: the model folder.
+        into: tensors by stored name to read into where one has the stored dtype and shape
+            and is contiguous (a model's parameters): that tensor itself is yielded, and the
+            bytes never exist twice.
 
     Returns:
         An iterator of `(name, tensor)` pairs, names as stored (e.g. `model.embed_tokens.weight`).
@@ -106,7 +110,10 @@ def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
                 if start + end > size:
                     raise ModelLoadError(f"{file.name} is truncated: tensor {name!r} ends at "
                                          f"byte {start + end}, the file has {size}")
-                tensor = torch.empty(entry["shape"], dtype=dtype)
+                tensor = (into or {}).get(name)
+                if tensor is None or tensor.dtype != dtype or tensor.device.type != "cpu" \
+                        or list(tensor.shape) != entry["shape"] or not tensor.is_contiguous():
+                    tensor = torch.empty(entry["shape"], dtype=dtype)
                 if end > begin:
                     buffer: Any = tensor.view(-1).view(torch.uint8).numpy()
                     f.seek(start + begin)

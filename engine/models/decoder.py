@@ -270,7 +270,8 @@ class CausalLM(nn.Module):
                     f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model "
                     f"{tuple(param.shape)}"
                 )
-            param.copy_(tensor)
+            if tensor.data_ptr() != param.data_ptr():  # else read in place
+                param.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)  # a tied lm_head is not listed on its own
         if missing:
