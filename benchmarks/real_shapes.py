@@ -14,8 +14,8 @@ head), Gemma 3 12B's text model in bf16. `serve` starts `ringserve serve` on it 
 the start time (until /health says ready), the peak and serving RSS of the server's
 processes (API + engine core, from /proc: VmHWM and VmRSS), the bytes a decode step reads
 (the engine's own count) against the machine's read limit, and TPOT at 1, 4 and 16 streams.
-`plan` prints ringserve's memory plan for every layer count up to the model's full one,
-from the config alone (nothing loaded).
+`plan` prints what every layer count up to the model's full one needs (weights as a CPU
+serves them, bf16 KV for 4 sequences of 8,192 tokens), from the config alone.
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ sys.path.insert(0, str(ROOT))
 
 import ringserve  # noqa: E402,F401  (first: the repository's kernels/ must not hide HF's)
 
+
+def _gemma3(**shape: Any) -> dict[str, Any]:
+    """A Gemma 3 text model's published config: its shape, and what every size shares."""
+    layers = shape["num_hidden_layers"]
+    return dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                rope_scaling={"rope_type": "linear", "factor": 8.0}, torch_dtype="bfloat16",
+                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                             for i in range(layers)], **shape)
+
+
 # The published configs (text models), less what the loaders fill in by default.
 MODELS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": dict(
@@ -57,24 +69,12 @@ MODELS: dict[str, dict[str, Any]] = {
                              "modules_to_not_convert": ["model.layers.*.self_attn",
                                                         "model.layers.*.mlp.router",
                                                         "model.embed_tokens", "lm_head"]}),
-    "gemma-3-12b": dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840,
-        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=15360, sliding_window=1024, vocab_size=262208,
-        max_position_embeddings=131072, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, torch_dtype="bfloat16",
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                     for i in range(48)]),
-    "gemma-3-27b": dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=5376,
-        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
-        intermediate_size=21504, sliding_window=1024, vocab_size=262208,
-        max_position_embeddings=131072, query_pre_attn_scalar=168, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, torch_dtype="bfloat16",
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                     for i in range(62)]),
+    "gemma-3-12b": _gemma3(hidden_size=3840, num_hidden_layers=48, num_attention_heads=16,
+                           num_key_value_heads=8, head_dim=256, intermediate_size=15360,
+                           query_pre_attn_scalar=256),
+    "gemma-3-27b": _gemma3(hidden_size=5376, num_hidden_layers=62, num_attention_heads=32,
+                           num_key_value_heads=16, head_dim=128, intermediate_size=21504,
+                           query_pre_attn_scalar=168),
 }
 
 
@@ -337,9 +337,10 @@ def main() -> None:
     s.add_argument("--streams", default="1,4,16")
     s.add_argument("--max-tokens", type=int, default=48)
     s.add_argument("--port", type=int, default=8765)
-    p = sub.add_parser("plan", help="the memory plan of every layer count, from the config")
+    p = sub.add_parser("plan", help="what every layer count needs, from the config alone")
     p.add_argument("model", choices=sorted(MODELS))
-    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=8192)
     args, extra = parser.parse_known_args()
     if args.command == "make":
         make(args.model, args.layers, args.out)
@@ -348,17 +349,34 @@ def main() -> None:
         print(json.dumps(serve(args.folder, extra, streams, args.max_tokens, args.port),
                          indent=1))
     else:
-        plan_table(args.model, args.kv_cache_memory)
+        plan_table(args.model, args.seqs, args.tokens)
 
 
-def plan_table(name: str, kv: str) -> None:
-    from ringserve.engine.memory_plan import plan_from_config
+def plan_table(name: str, seqs: int, tokens: int) -> None:
+    """What every layer count needs, from the config alone: the weights as a CPU serves them
+    (`memory_plan.estimate_weights`: bf16 kept, MXFP4 as stored) and bf16 KV for ``seqs``
+    sequences of ``tokens`` (the ring bounds the sliding layers)."""
+    import torch
+    import transformers
+
+    from ringserve.engine.kv_cache import kv_cache_spec
+    from ringserve.engine.memory_plan import GiB, estimate_weights
+    from ringserve.engine.models import model_config_from_hf
 
     full = MODELS[name]["num_hidden_layers"]
     for layers in sorted({1, 4, full // 2, full}):
-        print(f"{name}, {layers} layers: {plan_from_config(config_for(name, layers), kv)}")
-
-
+        cfg = config_for(name, layers)
+        stored = {n: (kind, tuple(shape)) for n, shape, kind in tensor_shapes(cfg)}
+        weights = estimate_weights(stored, act_bytes=4, keeps_bf16=True, quantization="none")
+        hf = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                                 if k not in ("architectures",
+                                                              "quantization_config")})
+        spec = kv_cache_spec(model_config_from_hf(hf), 16, torch.bfloat16,
+                             prefix_caching=True)
+        kv = seqs * spec.pool_blocks_needed(tokens) * spec.block_bytes
+        print(f"{name}, {layers:2d} layers: weights {weights / GiB:6.2f} GiB + bf16 KV for "
+              f"{seqs} x {tokens} tokens {kv / GiB:5.2f} GiB = {(weights + kv) / GiB:6.2f} GiB "
+              "(+ the runtime, ~0.3-0.5 GiB)")
 
 
 if __name__ == "__main__":

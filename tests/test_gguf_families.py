@@ -34,6 +34,7 @@ from ringserve.engine import SamplingParams
 from ringserve.engine.loading.convert import resolve_model
 from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE
 from ringserve.engine.models.moe import ExpertLinears
+from ringserve.engine.models.packed_linear import Mxfp4Linear
 from ringserve.engine.models.quant_linear import QuantLinear
 from tests import llamacpp_convert
 from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
@@ -172,7 +173,7 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     """gpt-oss as released: experts in MXFP4. Our tiny one with its experts quantised to MXFP4
     blocks and scales (`quantize_mxfp4`), converted by llama.cpp (which writes them as GGUF
     MXFP4 tensors), read back here: they stay MXFP4 in the converted folder and are served
-    as their exact int8 form, and the logits equal transformers' on the same weights
+    from those blocks as stored, and the logits equal transformers' on the same weights
     dequantised by its own `convert_moe_packed_tensors`."""
     folder = make_checkpoint("gpt_oss", tmp_path, overrides=CASES["gpt_oss"][1])
     (file,) = folder.glob("*.safetensors")
@@ -200,6 +201,6 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     model = load_ours(str(converted))
     experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
                for lin in [*m.gate_up, *m.down]]
-    assert experts and all(isinstance(lin, QuantLinear) and lin.bits == 8 for lin in experts)
+    assert experts and all(isinstance(lin, Mxfp4Linear) for lin in experts)
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ringserve.engine.memory_plan import available_memory
 from ringserve.engine.models import quant_linear
 from ringserve.engine.models.packed_linear import can_pack
 from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
@@ -116,27 +117,6 @@ AUTO_PACKED_HEAD_ROWS = 5
 # concurrency 8 (16 prompts of 128 tokens, 128 out), with and without the one-byte copies,
 # two rounds: 159 / 142 and 186 / 167 tok/s (Zen 4, 2026-12-04).
 AUTO_INT8_ROWS = 2
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still take: the machine's MemAvailable, less where a cgroup
-    (v2) limit leaves less; None where /proc cannot say."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        free = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read())
-        if limit != "max":
-            free = min(free, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return free
 
 
 def auto_head_rows(model: nn.Module) -> int | None:

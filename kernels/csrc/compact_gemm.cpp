@@ -395,6 +395,22 @@ void run(const Weight& w, const float* x, int64_t rows, int64_t n, const float* 
     run_rows<KIND>(w, x, rows, n, bias, out);
 }
 
+// ``x @ w^T + bias`` by ``f(x, bias, out)`` over float32 copies (x, bias) and a float32
+// [m, n] result, returned in x's dtype (each value one float32 sum rounded once).
+template <typename F>
+at::Tensor in_float32(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n,
+                      F&& f) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bf =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
+                       : std::nullopt;
+  auto out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0 || n == 0) return out.to(x.scalar_type());
+  f(xf.data_ptr<float>(), bf.has_value() ? bf->data_ptr<float>() : nullptr,
+    out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 // x: [m, k] float32 or bf16. bits 16: weight bf16 [n, k] (scales, mins, group unused);
 // bits 8 / 4: the kernels/quant.py layout. bias: [n] or None. Returns [m, n] in x's dtype,
 // each output one float32 sum rounded once. More than `tile_rows` x rows take the tiles.
@@ -426,21 +442,13 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(group % VW == 0, "compact_linear: group must be a multiple of ", VW);
   }
   TORCH_CHECK(!bias.has_value() || bias->numel() == n, "compact_linear: bias must be [n]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> bf =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
-                       : std::nullopt;
-  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  if (rows == 0 || n == 0) return out.to(x.scalar_type());
-  const float* xp = xf.data_ptr<float>();
-  const float* bp = bf.has_value() ? bf->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  switch (bits) {
-    case 16: run<kBF16>(w, xp, rows, n, bp, tile_rows, op); break;
-    case 8: run<kInt8>(w, xp, rows, n, bp, tile_rows, op); break;
-    default: run<kInt4>(w, xp, rows, n, bp, tile_rows, op); break;
-  }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return in_float32(x, bias, n, [&](const float* xp, const float* bp, float* op) {
+    switch (bits) {
+      case 16: run<kBF16>(w, xp, rows, n, bp, tile_rows, op); break;
+      case 8: run<kInt8>(w, xp, rows, n, bp, tile_rows, op); break;
+      default: run<kInt4>(w, xp, rows, n, bp, tile_rows, op); break;
+    }
+  });
 }
 
 // x: [m, k] float32 or bf16; blocks: uint8 [n, k / 32, 16] or [n, k / 2], as an MXFP4
@@ -469,15 +477,9 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
   w.group = 32;
   w.groups = k / 32;
   w.exponents = exponents.data_ptr<uint8_t>();
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> bf =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
-                       : std::nullopt;
-  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  if (rows == 0 || n == 0) return out.to(x.scalar_type());
-  run<kMxfp4>(w, xf.data_ptr<float>(), rows, n, bf.has_value() ? bf->data_ptr<float>() : nullptr,
-              tile_rows, out.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return in_float32(x, bias, n, [&](const float* xp, const float* bp, float* op) {
+    run<kMxfp4>(w, xp, rows, n, bp, tile_rows, op);
+  });
 }
 
 // The vector width this build multiplies at (floats): 16 for AVX-512, 8 elsewhere.

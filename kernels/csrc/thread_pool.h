@@ -205,8 +205,13 @@ class Pool {
     return in;
   }
 
-  // Whether anyone but us wants the CPUs: runnable tasks beyond our own running threads
-  // (the caller and the workers spinning now), smoothed (kEma).
+  // Whether anyone but us wants the CPUs: runnable tasks beyond our own running threads,
+  // smoothed (kEma). While the workers spin, ours are the caller and the spinners. While
+  // they sleep, a worker between jobs (woken, or on its way back to sleep: a wake-up that
+  // crosses to a halted vCPU takes long under KVM) is runnable though not spinning, so all
+  // our threads count as ours then: counted as a neighbour, a 2-core EPYC VM found one at
+  // nearly every sample of back-to-back calls, and once spinning had stopped for a busy
+  // neighbour it never started again after the neighbour left.
   void sample() {
     if (mode_ != 0) return;
     const int64_t t = now_ns();
@@ -214,8 +219,9 @@ class Pool {
     last_sample_ = t;
     const int running = runnable_tasks();
     if (running < 0) return;  // no /proc: keep the last choice
-    const int ours = 1 + spinners_.load(std::memory_order_relaxed);
     const int threads = static_cast<int>(workers_.size()) + 1;
+    const int ours = spin_.load(std::memory_order_relaxed)
+                         ? 1 + spinners_.load(std::memory_order_relaxed) : threads;
     const bool busy = running - ours > std::max(0, cpus_ - threads);
     contention_ = (1.0 - kEma) * contention_ + (busy ? kEma : 0.0);
     const bool spin = spin_.load(std::memory_order_relaxed);
