@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ringserve.block_manager import KVCacheManager, KVCacheSpec, parse_size, plan_num_blocks
+from ringserve.block_manager import KVCacheManager, plan_num_blocks
 from ringserve.engine import spec_decode
-from ringserve.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
+from ringserve.engine.config import EngineConfig
 from ringserve.engine.cpu_threads import apply_threads
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.errors import InvalidRequestError
@@ -31,17 +31,9 @@ from ringserve.engine.kv_events import (
     wire_events,
 )
 from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
-from ringserve.engine.loading.checkpoint import stored_tensors
-from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.memory_plan import (
-    GiB,
-    MemoryPlan,
-    estimate_weights,
     loading_allocations,
-    pick_budget,
-    resident_bytes,
-    step_activations,
 )
 from ringserve.engine.model_runner import ModelRunner
 from ringserve.engine.models.greedy_head import GreedyHead
@@ -67,12 +59,13 @@ from ringserve.engine.scheduler import ScheduledSeq, Scheduler
 from ringserve.engine.sequence import PromptLogprob, Sequence, SequenceStatus
 from ringserve.engine.spec_decode import SpeculativeConfig
 from ringserve.engine.startup import (
+    check_fits,
     describe,
     describe_cpu_kernels,
-    kv_memory_bytes,
     pick_device,
     pick_dtype,
     pick_numerics,
+    plan_memory,
 )
 from ringserve.engine.step_plan import StepPlanner
 from ringserve.engine.stopping import append_token
@@ -109,7 +102,9 @@ class LLMEngine:
         logger.info("quantization %s (%s)", self.quantization, why)
         self.int16_activations, self.kv_dtype = pick_numerics(config, self.quantization,
                                                               self.dtype, self.device)
-        budget = self._check_fits(resolved.path)
+        budget, self.runtime_bytes = check_fits(config, resolved.path, dtype=self.dtype,
+                                                device=self.device,
+                                                quantization=self.quantization)
         with loading_allocations():
             self._load(config, resolved.path, hf_config)
         self.weight_bytes = weight_bytes(self.model)
@@ -123,7 +118,11 @@ class LLMEngine:
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         spec = kv_cache_spec(mcfg, config.block_size, self.kv_dtype,
                              prefix_caching=config.enable_prefix_caching, speculative_tokens=k)
-        memory = self._plan_memory(config, spec, budget)
+        self.memory_plan = plan_memory(config, spec, budget, weights=self.weight_bytes,
+                                       runtime=self.runtime_bytes, model=mcfg,
+                                       max_model_len=self.max_model_len, dtype=self.dtype,
+                                       device=self.device)
+        memory = self.memory_plan.kv
         num_blocks = plan_num_blocks(spec, memory)
         self.kv = KVCacheManager(spec, num_blocks, max_model_len=self.max_model_len,
                                  debug=config.debug_kv,
@@ -168,34 +167,7 @@ class LLMEngine:
                                     self.capacity.description)
         self.checker = RequestChecker(self.tokenizer, self.limits, self.structured)
 
-    # -- start-up: loading within the memory plan (docs/design.md §12) -------------------
-
-    def _check_fits(self, path: Any) -> int | None:
-        """The process's memory budget (`memory_plan.pick_budget`); refuses, before anything
-        is loaded, a model whose weights (estimated from the checkpoint's headers) and this
-        process's runtime already exceed it."""
-        try:
-            budget, why = pick_budget(self.config.memory_budget)
-        except ValueError as err:
-            raise InvalidRequestError(str(err), param="memory_budget") from None
-        self.runtime_bytes = resident_bytes()
-        blocks = path / BLOCKS_FILE
-        estimate = estimate_weights(
-            stored_tensors(path), act_bytes=torch.empty((), dtype=self.dtype).element_size(),
-            keeps_bf16=self.device.type == "cpu" and self.dtype == torch.float32,
-            quantization=self.quantization,
-            gguf_blocks=blocks.stat().st_size if blocks.is_file() else 0,
-            mxfp4_native=self.device.type == "cpu" and cpu_build.available())
-        logger.info("memory budget %s (%s); the weights will take ~%.2f GiB, the runtime "
-                    "%.2f GiB now", "unknown" if budget is None else f"{budget / GiB:.2f} GiB",
-                    why, estimate / GiB, self.runtime_bytes / GiB)
-        if budget is not None and estimate + self.runtime_bytes > budget:
-            raise InvalidRequestError(
-                f"the model does not fit: its weights take ~{estimate / GiB:.2f} GiB and the "
-                f"runtime {self.runtime_bytes / GiB:.2f} GiB, over the memory budget of "
-                f"{budget / GiB:.2f} GiB ({why}); raise memory_budget, or serve it quantized "
-                "(quantization int8 / int4, or a GGUF file)", param="memory_budget")
-        return budget
+    # -- start-up: loading within the memory plan (docs/design.md §12, engine/startup.py) -
 
     def _load(self, config: EngineConfig, path: Any, hf_config: Any) -> None:
         """The model, its copies (`--packed-*-rows`, `--rounded-copy-rows`), its huge-page
@@ -224,50 +196,6 @@ class LLMEngine:
         if self.device.type == "cpu":
             logger.info("%s", place_on_huge_pages(self.model))
         self._greedy_head(config.greedy_head)
-
-    def _plan_memory(self, config: EngineConfig, spec: KVCacheSpec, budget: int | None) -> int:
-        """The KV pool's bytes, and `self.memory_plan`: ``kv_cache_memory`` where set (and
-        on CUDA, its share of the device); else what the budget leaves after the weights,
-        their copies and the workspace, but no more than ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens can ever hold (every request's KV is known when it
-        arrives, so more could only ever hold cached prefixes).
-
-        Raises:
-            InvalidRequestError: the budget leaves no room for one sequence (param
-                memory_budget).
-        """
-        mcfg = self.model.config
-        act = torch.empty((), dtype=self.dtype).element_size()
-        inter = max(mcfg.intermediate_size, mcfg.moe_intermediate_size)
-        workspace = self.runtime_bytes + step_activations(
-            tokens=config.max_num_batched_tokens, rows=config.max_num_seqs,
-            hidden=mcfg.hidden_size, intermediate=inter,
-            qkv=(mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim,
-            vocab=mcfg.vocab_size, act_bytes=act)
-        weights = self.weight_bytes.resident - self.weight_bytes.copies
-        one = spec.pool_blocks_needed(self.max_model_len) * spec.block_bytes
-        if config.kv_cache_memory is not None or self.device.type != "cpu":
-            kv = kv_memory_bytes(config, self.device)
-        else:
-            every = config.max_num_seqs * one
-            left = None if budget is None else \
-                budget - weights - self.weight_bytes.copies - workspace
-            kv = min(every, parse_size(DEFAULT_CPU_KV_MEMORY) if left is None
-                     else max(left, 0))
-            if kv < one:
-                assert budget is not None  # without one the pool is a fixed size
-                raise InvalidRequestError(
-                    f"the memory budget ({budget / GiB:.2f} GiB) leaves {kv / GiB:.2f} GiB "
-                    f"after the weights ({weights / GiB:.2f} GiB), their copies "
-                    f"({self.weight_bytes.copies / GiB:.2f} GiB) and the workspace "
-                    f"({workspace / GiB:.2f} GiB): not one sequence of max_model_len "
-                    f"{self.max_model_len} tokens ({one / 2**20:.1f} MiB of KV); raise "
-                    "memory_budget or lower max_model_len", param="memory_budget")
-        kv = plan_num_blocks(spec, kv) * spec.block_bytes
-        self.memory_plan = MemoryPlan(budget, weights=weights, copies=self.weight_bytes.copies,
-                                      kv=kv, workspace=workspace)
-        logger.info("%s", self.memory_plan.describe())
-        return kv
 
     # -- requests ----------------------------------------------------------------------
 

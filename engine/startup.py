@@ -1,17 +1,30 @@
-"""Start-up decisions: the device, and how much memory the KV pool gets."""
+"""Start-up decisions: the device, the dtype, and the process's memory plan (whether the
+model fits its budget, and how much memory the KV pool gets)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
-from ringserve.block_manager import KVCacheSpec, parse_size
+from ringserve.block_manager import KVCacheSpec, parse_size, plan_num_blocks
 from ringserve.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.engine.loading import parse_dtype
-from ringserve.engine.loading.quantize import pick_int16_activations
-from ringserve.kernels import cpu_isa
+from ringserve.engine.loading.checkpoint import stored_tensors
+from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE
+from ringserve.engine.loading.quantize import WeightBytes, pick_int16_activations
+from ringserve.engine.memory_plan import (
+    GiB,
+    MemoryPlan,
+    estimate_weights,
+    pick_budget,
+    resident_bytes,
+    step_activations,
+)
+from ringserve.engine.models.config import ModelConfig
+from ringserve.kernels import cpu_build, cpu_isa
 
 logger = logging.getLogger("ringserve.engine")
 
@@ -190,3 +203,77 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     linears = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
     kernels = f"{info.variant} kernels" if built else "no compiled kernels (torch paths)"
     return f"{info.describe()}; {kernels}; linears: {linears}"
+
+
+def check_fits(config: EngineConfig, path: Path, *, dtype: torch.dtype, device: torch.device,
+               quantization: str) -> tuple[int | None, int]:
+    """(the process's memory budget, or None where nothing can say; the runtime's resident
+    bytes now), refusing, before anything is loaded, a model whose weights (estimated from
+    the checkpoint's headers, `memory_plan.estimate_weights`) and the runtime already exceed
+    the budget (docs/design.md §12).
+
+    Raises:
+        InvalidRequestError: a bad ``memory_budget``, or a model that cannot fit, naming it.
+    """
+    try:
+        budget, why = pick_budget(config.memory_budget)
+    except ValueError as err:
+        raise InvalidRequestError(str(err), param="memory_budget") from None
+    runtime = resident_bytes()
+    blocks = path / BLOCKS_FILE
+    native = device.type == "cpu" and cpu_build.available()
+    estimate = estimate_weights(
+        stored_tensors(path), act_bytes=torch.empty((), dtype=dtype).element_size(),
+        keeps_bf16=native and dtype == torch.float32, quantization=quantization,
+        gguf_blocks=blocks.stat().st_size if blocks.is_file() else 0, mxfp4_native=native)
+    logger.info("memory budget %s (%s); the weights will take ~%.2f GiB, the runtime %.2f GiB "
+                "now", "unknown" if budget is None else f"{budget / GiB:.2f} GiB", why,
+                estimate / GiB, runtime / GiB)
+    if budget is not None and estimate + runtime > budget:
+        raise InvalidRequestError(
+            f"the model does not fit: its weights take ~{estimate / GiB:.2f} GiB and the "
+            f"runtime {runtime / GiB:.2f} GiB, over the memory budget of {budget / GiB:.2f} "
+            f"GiB ({why}); raise memory_budget, or serve it quantized (quantization int8 / "
+            "int4, or a GGUF file)", param="memory_budget")
+    return budget, runtime
+
+
+def plan_memory(config: EngineConfig, spec: KVCacheSpec, budget: int | None, *,
+                weights: WeightBytes, runtime: int, model: ModelConfig, max_model_len: int,
+                dtype: torch.dtype, device: torch.device) -> MemoryPlan:
+    """The process's plan, logged: the KV pool is ``kv_cache_memory`` where set (and on
+    CUDA, its share of the device); else what the budget leaves after the weights, their
+    copies and the workspace, but no more than ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can ever hold (every request's KV is known when it arrives, so
+    more could only ever hold cached prefixes).
+
+    Raises:
+        InvalidRequestError: the budget leaves no room for one sequence (memory_budget).
+    """
+    workspace = runtime + step_activations(
+        tokens=config.max_num_batched_tokens, rows=config.max_num_seqs,
+        hidden=model.hidden_size,
+        intermediate=max(model.intermediate_size, model.moe_intermediate_size),
+        qkv=(model.num_heads + 2 * model.num_kv_heads) * model.head_dim,
+        vocab=model.vocab_size, act_bytes=torch.empty((), dtype=dtype).element_size())
+    own = weights.resident - weights.copies
+    one = spec.pool_blocks_needed(max_model_len) * spec.block_bytes
+    if config.kv_cache_memory is not None or device.type != "cpu":
+        kv = kv_memory_bytes(config, device)
+    else:
+        every = config.max_num_seqs * one
+        left = None if budget is None else budget - own - weights.copies - workspace
+        kv = min(every, parse_size(DEFAULT_CPU_KV_MEMORY) if left is None else max(left, 0))
+        if kv < one:
+            assert budget is not None  # without one the pool is a fixed size
+            raise InvalidRequestError(
+                f"the memory budget ({budget / GiB:.2f} GiB) leaves {kv / GiB:.2f} GiB after "
+                f"the weights ({own / GiB:.2f} GiB), their copies "
+                f"({weights.copies / GiB:.2f} GiB) and the workspace "
+                f"({workspace / GiB:.2f} GiB): not one sequence of max_model_len "
+                f"{max_model_len} tokens ({one / 2**20:.1f} MiB of KV); raise memory_budget "
+                "or lower max_model_len", param="memory_budget")
+    plan = MemoryPlan(budget, weights=own, copies=weights.copies,
+                      kv=plan_num_blocks(spec, kv) * spec.block_bytes, workspace=workspace)
+    logger.info("%s", plan.describe())
+    return plan

@@ -159,11 +159,11 @@ def test_a_model_that_cannot_fit_is_refused_before_it_loads(
 @pytest.mark.skipif(not cpu_build.available(), reason="needs the CPU kernels (a C++ compiler)")
 def test_the_kv_pool_is_what_the_budget_leaves(bf16_gemma: pathlib.Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from ringserve.engine import llm_engine
+    from ringserve.engine import startup
 
     # the runtime's resident memory, as the engine measures it, held still (it moves by a
     # few MiB between two engines of one process)
-    monkeypatch.setattr(llm_engine, "resident_bytes", lambda: 300 * MiB)
+    monkeypatch.setattr(startup, "resident_bytes", lambda: 300 * MiB)
     kw = dict(dtype="float32", block_size=B, max_num_seqs=4, max_model_len=256,
               max_num_batched_tokens=16)
     roomy = LLM(str(bf16_gemma), memory_budget="8GiB", **kw).engine
