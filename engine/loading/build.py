@@ -89,7 +89,7 @@ def load_model(
     blocks: dict[str, list[nn.Module]] = {}
     params = dict(model.named_parameters())  # read in place where the stored format is theirs
     weights = _take_mxfp4(iter_weights(path, into={n: p.data for n, p in params.items()}),
-                          compact, blocks, dtype)
+                          compact, blocks)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
     split_experts(model)  # each expert's projections: linears, packed or quantized below
@@ -134,13 +134,16 @@ def _keep_stored_bf16(model: nn.Module, stored: dict[str, tuple[str, tuple[int, 
     if dtype != torch.float32 or device.type != "cpu" or not pack or not cpu_build.available():
         return 0
     bf16 = {name for name, (kind, _) in stored.items() if kind == "BF16"}
+    embed: Any = model.model.embed_tokens  # type: ignore[union-attr]
     count = 0
     for prefix, module in model.named_modules():
-        if type(module) not in (nn.Linear, nn.Embedding) or f"{prefix}.weight" not in bf16:
+        # NOTE: the token embedding alone of the tables: another (Gemma 4's per-layer one)
+        # is read by the model itself, which would then compute in bf16
+        kind_ok = type(module) is nn.Linear or module is embed
+        if not kind_ok or f"{prefix}.weight" not in bf16:
             continue
         module.weight = nn.Parameter(module.weight.to(torch.bfloat16), requires_grad=False)
         count += 1
-    embed: Any = model.model.embed_tokens  # type: ignore[union-attr]
     if embed.weight.dtype == torch.bfloat16:
         model.model.embed_tokens = WideningEmbedding(embed.weight, dtype)  # type: ignore[union-attr]
     if getattr(model.config, "tie_word_embeddings", False):  # the head reads the same table
@@ -162,8 +165,7 @@ def _mxfp4_moes(model: nn.Module, stored: dict[str, Any]) -> dict[str, MoE]:
 
 
 def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE],
-                out: dict[str, list[nn.Module]],
-                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                out: dict[str, list[nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass every tensor on but the MXFP4 blocks and scales of ``moes``: each pair becomes
     one `Mxfp4Linear` an expert, over views of the tensors as they were read (the stored
     bytes, never widened or copied), into ``out`` under ``<moe>.<projection>``."""
