@@ -13,7 +13,9 @@ from ringserve.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.engine.loading import parse_dtype
 from ringserve.engine.loading.checkpoint import stored_tensors
-from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE
+from ringserve.engine.loading.find import gguf_weights_file
+from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES, repacked_bytes
+from ringserve.engine.loading.gguf_file import GgufFile
 from ringserve.engine.loading.quantize import WeightBytes, pick_int16_activations
 from ringserve.engine.memory_plan import (
     GiB,
@@ -220,12 +222,14 @@ def check_fits(config: EngineConfig, path: Path, *, dtype: torch.dtype, device: 
     except ValueError as err:
         raise InvalidRequestError(str(err), param="memory_budget") from None
     runtime = resident_bytes()
-    blocks = path / BLOCKS_FILE
     native = device.type == "cpu" and cpu_build.available()
+    act_bytes = torch.empty((), dtype=dtype).element_size()
+    source = gguf_weights_file(path)
+    stored, held = (stored_tensors(path), 0) if source is None else _gguf_stored(
+        GgufFile(source), quantization=quantization, native=native, act_bytes=act_bytes)
     estimate = estimate_weights(
-        stored_tensors(path), act_bytes=torch.empty((), dtype=dtype).element_size(),
-        keeps_bf16=native and dtype == torch.float32, quantization=quantization,
-        gguf_blocks=blocks.stat().st_size if blocks.is_file() else 0, mxfp4_native=native)
+        stored, act_bytes=act_bytes, keeps_bf16=native and dtype == torch.float32,
+        quantization=quantization, gguf_blocks=held, mxfp4_native=native)
     logger.info("memory budget %s (%s); the weights will take ~%.2f GiB, the runtime %.2f GiB "
                 "now", "unknown" if budget is None else f"{budget / GiB:.2f} GiB", why,
                 estimate / GiB, runtime / GiB)
@@ -236,6 +240,27 @@ def check_fits(config: EngineConfig, path: Path, *, dtype: torch.dtype, device: 
             f"GiB ({why}); raise memory_budget, or serve it quantized (quantization int8 / "
             "int4, or a GGUF file)", param="memory_budget")
     return budget, runtime
+
+
+def _gguf_stored(file: GgufFile, *, quantization: str, native: bool, act_bytes: int,
+                 ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """A GGUF's tensors for `estimate_weights`: (the float ones and those that will be
+    dequantized, as float32 entries; the bytes of those held in their blocks: MXFP4 as
+    stored, or widened where not ``native``; block types with a layout here, repacked,
+    under quantization gguf)."""
+    stored: dict[str, tuple[str, tuple[int, ...]]] = {}
+    held = 0
+    for tensor in file.tensors:
+        kind = tensor.tensor_type
+        if kind.name in ("F32", "F16", "BF16"):
+            stored[tensor.name] = (kind.name, tensor.hf_shape)
+        elif kind.name == "MXFP4":
+            held += tensor.n_bytes if native else 2 * act_bytes * tensor.n_elements
+        elif kind in SUPPORTED_TYPES and quantization == "gguf":
+            held += repacked_bytes(kind, tensor.n_elements)
+        else:
+            stored[tensor.name] = ("F32", tensor.hf_shape)  # dequantized
+    return stored, held
 
 
 def plan_memory(config: EngineConfig, spec: KVCacheSpec, budget: int | None, *,

@@ -2,7 +2,8 @@
 
 A prompt longer than the window plus 200 greedy tokens, through our model over ring KV
 caches (NaN-poisoned, every read checked against a shadow of slot owners), must be
-token-identical to transformers' ``generate`` on the same converted folder, in float32.
+token-identical to transformers' ``generate`` on the same GGUF file (which it dequantizes
+itself), in float32.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import transformers
 
 from tests.model_harness import RingHarness, load_ours
-from tests.presets import preset_path
+from tests.presets import preset_path, transformers_from_gguf
 
 STORY = (
     "Once upon a time, there was a little girl named Lily who lived in a small house at the "
@@ -30,8 +31,7 @@ def test_gemma_270m_past_the_window_matches_transformers() -> None:
     prompt = tokenizer(STORY * 8 + "One day, Lily")["input_ids"]
     assert len(prompt) > 512 + 64  # the ring has wrapped before the first new token
     new = 200
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref = transformers_from_gguf("gemma-3-270m")
     assert ref.config.sliding_window == 512
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
@@ -59,8 +59,7 @@ def test_gemma_270m_served_from_its_gguf_blocks() -> None:
     path = preset_path("gemma-3-270m")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     ids = tokenizer(STORY * 8)["input_ids"][:600]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ref = transformers_from_gguf("gemma-3-270m")
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0, :-1]
     del ref

@@ -25,13 +25,12 @@ import numpy.typing as npt
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from safetensors import safe_open
 
 from ringserve.engine.loading import load_presets
 from ringserve.engine.loading.convert import _preset_gguf
 from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES, read_linears, repack
 from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight, dequantize, unpack_int4
-from tests.presets import preset_path
+from tests.presets import transformers_from_gguf
 
 EXACT = (Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1)
 ROUNDED = (Q.Q4_K, Q.Q6_K)
@@ -170,9 +169,8 @@ GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ff
 @pytest.mark.parametrize("preset", ["gemma-3-270m", "smollm2-135m-instruct"])
 def test_preset_files_match_transformers(preset: str, tmp_path: Path) -> None:
     """Every linear of both presets repacks (none is left to float), equal to the bfloat16
-    folder transformers made of the same file: exact for Q8_0/Q5_0/Q4_1, within the bound
+    weights transformers makes of the same file: exact for Q8_0/Q5_0/Q4_1, within the bound
     for Q4_K/Q6_K. SmolLM2 is a llama file: its q/k rows prove the permutation undone."""
-    folder = preset_path(preset)
     reader = gguf.GGUFReader(_preset_gguf(load_presets()[preset], tmp_path))
     arch = reader.fields["general.architecture"].contents()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
@@ -187,18 +185,18 @@ def test_preset_files_match_transformers(preset: str, tmp_path: Path) -> None:
     for i in (0, 1, 2, 5, layers - 1):  # Gemma: Q5_0 and Q8_0 attn_v, Q4_K and Q6_K ffn_down
         for ours, theirs in zip(PROJECTIONS, GGUF_PROJECTIONS, strict=True):
             kinds[f"model.layers.{i}.{ours}.weight"] = types[f"blk.{i}.{theirs}.weight"]
-    with safe_open(str(folder / "model.safetensors"), "pt") as hf:
-        for name, kind in kinds.items():
-            qw, ref = weights[name], hf.get_tensor(name)
-            if name == "model.embed_tokens.weight":  # 262144 rows for Gemma: every 16th
-                rows = torch.arange(0, qw.shape[0], 16)
-                qw, ref = qw.rows(rows), ref[rows]
-            ours = dequantize(qw, torch.bfloat16)
-            if kind in EXACT:
-                assert torch.equal(ours, ref), name
-                continue
-            wide = dequantize(qw)
-            bound = rounding_bound(qw, wide) + 2.0**-8 * 1.01 * (wide.abs() + ref.float().abs())
-            assert ((ours.float() - ref.float()).abs() <= bound).all(), name
+    hf = transformers_from_gguf(preset, torch.bfloat16).state_dict()
+    for name, kind in kinds.items():
+        qw, ref = weights[name], hf[name]
+        if name == "model.embed_tokens.weight":  # 262144 rows for Gemma: every 16th
+            rows = torch.arange(0, qw.shape[0], 16)
+            qw, ref = qw.rows(rows), ref[rows]
+        ours = dequantize(qw, torch.bfloat16)
+        if kind in EXACT:
+            assert torch.equal(ours, ref), name
+            continue
+        wide = dequantize(qw)
+        bound = rounding_bound(qw, wide) + 2.0**-8 * 1.01 * (wide.abs() + ref.float().abs())
+        assert ((ours.float() - ref.float()).abs() <= bound).all(), name
     expected = {Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K} if arch == "gemma3" else {Q.Q8_0, Q.Q4_1}
     assert set(kinds.values()) == expected

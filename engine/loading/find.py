@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 Source: TypeAlias = Literal["preset", "folder", "gguf"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 _INDEX_FILE = "model.safetensors.index.json"
+SOURCE_FILE = "ringserve-source.json"  # what a folder in the cache was made from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +110,8 @@ def check_files(path: str | os.PathLike[str]) -> None:
         raise ModelLoadError(f"model path {folder} is not a folder")
     if not (folder / "config.json").is_file():
         raise no_config_error(folder)
-    weight_files(folder)
+    if gguf_weights_file(folder) is None:
+        weight_files(folder)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(
             f"{folder} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})"
@@ -119,6 +121,29 @@ def check_files(path: str | os.PathLike[str]) -> None:
 def no_config_error(folder: Path) -> ModelLoadError:
     """The error for a folder without config.json (raised here and when reading the config)."""
     return ModelLoadError(f"{folder} has no config.json: it is not a Hugging Face model folder")
+
+
+def gguf_weights_file(folder: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a model folder's weights are read from, where the folder is a GGUF's
+    metadata in the cache (`convert.resolve_model`); None for a folder of safetensors.
+
+    Raises:
+        ModelLoadError: the folder names a GGUF file that is no longer there.
+    """
+    source = Path(folder) / SOURCE_FILE
+    if not source.is_file():
+        return None
+    try:
+        named = json.loads(source.read_text(encoding="utf-8")).get("gguf_weights")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ModelLoadError(f"{source} is not valid JSON: {err}") from err
+    if not named:
+        return None
+    file = Path(folder) / named  # an absolute name stays absolute
+    if not file.is_file():
+        raise ModelLoadError(f"{folder} reads its weights from {file}, which is gone; pass "
+                             "the .gguf file again")
+    return file
 
 
 def weight_files(folder: Path) -> list[Path]:

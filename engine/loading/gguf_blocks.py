@@ -38,10 +38,8 @@ since blocks run along k).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -49,10 +47,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ringserve.engine.loading.find import weight_files
+from ringserve.engine.loading.gguf_file import GgufFile, GgufTensor
 from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight, pack_int4
 
-__all__ = ["SUPPORTED_TYPES", "gguf_tensor_names", "read_linears", "repack"]
+__all__ = ["SUPPORTED_TYPES", "gguf_tensor_names", "layout_bits", "llama_rope_rows",
+           "read_linears", "repack", "repacked_bytes"]
 
 Q = gguf.GGMLQuantizationType
 
@@ -61,6 +60,8 @@ _U8 = npt.NDArray[np.uint8]
 # (bits 4, packed afterwards by `kernels.quant.pack_int4`); float16 [r, k / group];
 # float16 [r, k / group] or None.
 _Parts = tuple[npt.NDArray[Any], npt.NDArray[np.float16], npt.NDArray[np.float16] | None]
+
+Reader = gguf.GGUFReader | GgufFile  # gguf-py's, or ours (the same reads)
 
 _CHUNK_VALUES = 1 << 22  # values repacked at a time: bounds the temporaries (~100 MB)
 
@@ -162,6 +163,18 @@ SUPPORTED_TYPES: frozenset[Q] = frozenset(_LAYOUTS)
 """The GGUF types `repack` converts; for any other type it returns None."""
 
 
+def layout_bits(tensor_type: Q | int) -> int:
+    """8 or 4: the bits a value of a supported block type takes in our layout."""
+    return _LAYOUTS[Q(tensor_type)][0]
+
+
+def repacked_bytes(tensor_type: Q | int, count: int) -> int:
+    """The bytes ``count`` values of a supported block type take once repacked: the values,
+    a float16 scale a group, and a float16 min a group for 4 bits."""
+    bits, group = _LAYOUTS[Q(tensor_type)][:2]
+    return count * bits // 8 + count // group * (4 if bits == 4 else 2)
+
+
 def repack(
     tensor_type: Q | int, raw: npt.NDArray[Any], shape: tuple[int, int]
 ) -> QuantizedWeight | None:
@@ -224,14 +237,14 @@ def repack(
     )
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(reader: Reader, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
         raise ValueError(f"the GGUF file has no {key!r} field")
     return field.contents()
 
 
-def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str], *,
+def gguf_tensor_names(reader: Reader, names: Iterable[str], *,
                       missing_ok: bool = False) -> dict[str, str]:
     """The GGUF tensor name of each Hugging Face parameter name, by gguf-py's name map.
 
@@ -264,7 +277,7 @@ def gguf_tensor_names(reader: gguf.GGUFReader, names: Iterable[str], *,
     return found
 
 
-def _llama_rope_rows(reader: gguf.GGUFReader, gguf_name: str, n: int) -> npt.NDArray[np.intp]:
+def llama_rope_rows(reader: Reader, gguf_name: str, n: int) -> npt.NDArray[np.intp]:
     """The row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute).
 
     convert_hf_to_gguf interleaves the two rotary halves of every head: GGUF row
@@ -278,14 +291,15 @@ def _llama_rope_rows(reader: gguf.GGUFReader, gguf_name: str, n: int) -> npt.NDA
 
 
 def read_linears(
-    gguf_file: str | os.PathLike[str] | gguf.GGUFReader, names: Iterable[str]
+    gguf_file: str | os.PathLike[str] | gguf.GGUFReader | GgufFile, names: Iterable[str]
 ) -> dict[str, QuantizedWeight]:
     """Read linear (and embedding) weights out of a `.gguf` file in our quantized layout.
 
     Args:
-        gguf_file: the file, or a `gguf.GGUFReader` of it (opening one parses every
-            metadata field, the tokenizer's included: about 15 s for Gemma 3's 262k tokens
-            on two cores, so a caller that needs the metadata too should pass its reader).
+        gguf_file: the file, or a reader of it: gguf-py's `GGUFReader` (opening one builds
+            every metadata field, the tokenizer's included: about 15 s for Gemma 3's 262k
+            tokens on two cores) or our `gguf_file.GgufFile` (0.3 s; reads each tensor
+            into memory of its own, one at a time).
         names: Hugging Face parameter names of 2-D weights, e.g.
             ``model.layers.0.self_attn.q_proj.weight``, ``model.embed_tokens.weight``,
             ``lm_head.weight`` (the embedding where the file ties them: the same object).
@@ -300,10 +314,11 @@ def read_linears(
         KeyError: a name maps to no tensor of the file.
         ValueError: a name's tensor is not 2-D, or the file is not readable as GGUF.
     """
-    if isinstance(gguf_file, gguf.GGUFReader):
+    reader: Reader
+    if isinstance(gguf_file, (gguf.GGUFReader, GgufFile)):
         reader = gguf_file
     else:
-        reader = gguf.GGUFReader(os.fspath(gguf_file))
+        reader = GgufFile(gguf_file)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     llama = _field(reader, "general.architecture") == "llama"
     repacked: dict[str, QuantizedWeight | None] = {}  # by GGUF name: tied names share one
@@ -318,7 +333,7 @@ def read_linears(
 
 
 def _read_one(
-    reader: gguf.GGUFReader, tensor: gguf.ReaderTensor, *, llama: bool
+    reader: Reader, tensor: gguf.ReaderTensor | GgufTensor, *, llama: bool
 ) -> QuantizedWeight | None:
     if len(tensor.shape) != 2:
         raise ValueError(f"{tensor.name} is not 2-D: {list(tensor.shape)}")
@@ -327,79 +342,5 @@ def _read_one(
         return None
     raw = np.asarray(tensor.data).reshape(n, -1)
     if llama and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-        raw = raw[_llama_rope_rows(reader, tensor.name, n)]
+        raw = raw[llama_rope_rows(reader, tensor.name, n)]
     return repack(tensor.tensor_type, raw, (n, k))
-
-
-# -- the blocks file a conversion leaves beside the bf16 weights --------------------------
-
-# NOTE: in a subfolder, so that nothing globbing the folder's *.safetensors for the model's
-# weights (our loader, vLLM, transformers) reads it as one.
-BLOCKS_FILE = "gguf-blocks/blocks.safetensors"
-
-
-def save_blocks(gguf_file: str | os.PathLike[str], folder: str | os.PathLike[str]) -> int:
-    """Repack the GGUF's 2-D weights named in ``folder``'s safetensors into `BLOCKS_FILE`.
-
-    The names are those of the converted folder (transformers' names for the same file),
-    so that `load_blocks` answers by the names the model loads. Tensors in block types
-    without a layout here are left out.
-
-    Returns:
-        The number of weights saved (tied ones once); with none, no file is written.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    names: list[str] = []
-    for file in weight_files(Path(folder)):
-        with safe_open(str(file), framework="pt") as handle:
-            names += [n for n in handle.keys()  # noqa: SIM118 (a safe_open handle)
-                      if n.endswith(".weight")
-                      and len(handle.get_slice(n).get_shape()) == 2]  # fmt: skip
-    if "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
-        names.append("lm_head.weight")  # tied: the head reads the embedding's blocks
-    weights = read_linears(gguf_file, names)
-    tensors: dict[str, torch.Tensor] = {}
-    kept: dict[int, str] = {}
-    for name in sorted(weights):
-        qw = weights[name]
-        if id(qw) in kept:  # a tied name: stored once, under the first name
-            continue
-        kept[id(qw)] = name
-        tensors[f"{name}.qweight"] = qw.qweight.contiguous()
-        tensors[f"{name}.scales"] = qw.scales.contiguous()
-        if qw.mins is not None:
-            tensors[f"{name}.mins"] = qw.mins.contiguous()
-    if not kept:
-        # NOTE: a file of float tensors (F32, F16, BF16) has no blocks: no blocks file, so
-        # that `--quantization auto` serves it as the float model it is
-        return 0
-    ties = {name: kept[id(qw)] for name, qw in weights.items() if kept[id(qw)] != name}
-    target = Path(folder) / BLOCKS_FILE
-    target.parent.mkdir(exist_ok=True)
-    save_file(tensors, str(target), metadata={"ties": json.dumps(ties)})
-    return len(kept)
-
-
-def load_blocks(folder: str | os.PathLike[str]) -> dict[str, QuantizedWeight]:
-    """The weights `save_blocks` wrote, by Hugging Face name (tied names: one object)."""
-    from safetensors import safe_open
-
-    path = Path(folder) / BLOCKS_FILE
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-        ties: dict[str, str] = json.loads((handle.metadata() or {}).get("ties", "{}"))
-    weights: dict[str, QuantizedWeight] = {}
-    for key, qweight in tensors.items():
-        if not key.endswith(".qweight"):
-            continue
-        name = key.removesuffix(".qweight")
-        bits = 8 if qweight.dtype == torch.int8 else 4
-        scales = tensors[f"{name}.scales"]
-        k = qweight.shape[1] * (2 if bits == 4 else 1)
-        weights[name] = QuantizedWeight(bits, k // scales.shape[1], qweight, scales,
-                                        tensors.get(f"{name}.mins"))
-    for name, target in ties.items():
-        weights[name] = weights[target]
-    return weights

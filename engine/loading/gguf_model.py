@@ -2,10 +2,11 @@
 
 transformers (the version we pin) reads no GGUF of `olmo2` (OLMo 2 and 3), `exaone4` or
 `cohere2`, fails on `gpt-oss` and `gemma4` files, and reads Gemma 2 files without their
-soft-caps or `query_pre_attn_scalar` (its mapping drops them). This module turns such a file
-into a Hugging Face folder itself: the config from the file's metadata, the weights by
-gguf-py's tensor name map (`gguf_blocks.gguf_tensor_names`), the tokenizer with
-transformers' own GGUF tokenizer builder (which reads any architecture).
+soft-caps or `query_pre_attn_scalar` (its mapping drops them). This module reads such a
+file's config from its metadata (`hf_config`); the weights are read by `gguf_weights` (by
+gguf-py's tensor name map) and the tokenizer by transformers' own GGUF tokenizer builder
+(which reads any architecture). `convert` writes the whole Hugging Face folder (for
+`convert.export_hf_folder`).
 
 A GGUF file does not say everything a config.json says. What it leaves out, llama.cpp (the
 runtime these files are made for) fills in per architecture when it loads them, and so do we,
@@ -22,12 +23,10 @@ with the same values (`gguf_archs.ARCHS`, one entry per architecture):
 - gpt-oss's SwiGLU clamp (7.0) and its un-truncated YaRN, the released checkpoints' values;
 - Gemma 4's full-layer rotary fraction, which the converter writes as frequency factors.
 
-Tensors undo what llama.cpp's converter did to them: Gemma's norm weights were stored with
-the `1 +` of its RMSNorm folded in (we subtract 1 again, in float32, as transformers does for
-Gemma 3 files), gpt-oss's expert gate and up projections were split out of the interleaved
-`gate_up_proj` (we interleave them back). Float tensors keep their type (F32 stays float32,
-F16 float16, BF16 bfloat16); quantized ones are dequantized by gguf-py and saved as bfloat16,
-with their blocks repacked beside them for `--quantization gguf` (`gguf_blocks.save_blocks`).
+Tensors undo what llama.cpp's converter did to them (`gguf_weights`): Gemma's norm weights
+were stored with the `1 +` of its RMSNorm folded in (we subtract 1 again, in float32, as
+transformers does for Gemma 3 files), gpt-oss's expert gate and up projections were split
+out of the interleaved `gate_up_proj` (we interleave them back).
 Checked by `tests/test_gguf_families.py`: tiny random checkpoints converted to GGUF by
 llama.cpp's own `convert_hf_to_gguf.py`, read back here, token-exact with transformers on the
 original folders.
@@ -38,27 +37,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import torch
 
 from ringserve.engine.loading.errors import ModelLoadError
-from ringserve.engine.loading.gguf_archs import ARCHS, Fields, Tensors, read_tensor
-from ringserve.engine.loading.gguf_blocks import gguf_tensor_names
-from ringserve.engine.loading.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from ringserve.engine.loading.gguf_archs import ARCHS, Fields, read_tensor
+from ringserve.engine.loading.gguf_file import GgufFile
 
-__all__ = ["ARCHS", "convert", "hf_config", "reads"]
+__all__ = ["ARCHS", "convert", "describe_storage", "hf_config", "reads"]
 
-def reads(reader: gguf.GGUFReader) -> bool:
+def reads(reader: gguf.GGUFReader | GgufFile) -> bool:
     """Whether this module (rather than transformers) reads the file."""
     return str(reader.fields["general.architecture"].contents()) in ARCHS
 
 
-def _fields(reader: gguf.GGUFReader, arch: str) -> Fields:
+def _fields(reader: gguf.GGUFReader | GgufFile, arch: str) -> Fields:
     out: Fields = {}
     for key, value in reader.fields.items():
         if key.startswith(f"{arch}."):
@@ -129,7 +125,7 @@ def _first(value: Any) -> int:
     return int(value[0] if isinstance(value, list) else value)
 
 
-def hf_config(reader: gguf.GGUFReader) -> Any:
+def hf_config(reader: gguf.GGUFReader | GgufFile) -> Any:
     """The transformers config of a file this module reads (`reads`)."""
     import transformers
 
@@ -183,69 +179,17 @@ def hf_config(reader: gguf.GGUFReader) -> Any:
     return config
 
 
-def _weights(reader: gguf.GGUFReader, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights under transformers' names and shapes for ``config``, one at a time, in
-    the model's order (layer by layer). gpt-oss's MXFP4 experts come as transformers' MXFP4
-    pair (``X_blocks``, ``X_scales``), never as floats."""
-    import transformers
-
-    arch = ARCHS[str(reader.fields["general.architecture"].contents())]
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    tensors = {t.name: t for t in reader.tensors}
-    mapped = gguf_tensor_names(reader, expected, missing_ok=True)
-    for name, shape in expected.items():
-        mx = _mxfp4_experts(tensors, name)
-        if mx is not None:
-            yield from mx
-            continue
-        value = arch.special(tensors, name)
-        if value is None:
-            if name not in mapped:
-                raise ModelLoadError(f"the GGUF file has no tensor for {name}")
-            value = read_tensor(tensors[mapped[name]])
-            if arch.norm_shift and name.endswith("norm.weight"):
-                value = (value.float() - arch.norm_shift).to(value.dtype)
-            if value.numel() == 1:
-                value = value.reshape(shape)
-        if tuple(value.shape) != shape:
-            raise ModelLoadError(f"{name}: the GGUF tensor is {list(value.shape)}, the "
-                                 f"config wants {list(shape)}")
-        yield name, value
-
-
-def _mxfp4_experts(tensors: Tensors,
-                   name: str) -> list[tuple[str, torch.Tensor]] | None:
-    """gpt-oss's expert projection ``name`` as transformers' MXFP4 pair, where the file
-    holds it in MXFP4: the same numbers re-encoded (every block's largest value in [4, 8),
-    which any MXFP4 block can be rescaled to exactly; checked)."""
-    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-        return None
-    block = name.split(".")[2]
-    kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
-    parts = [tensors[f"blk.{block}.ffn_{k}_exps.weight"] for k in kinds]
-    if any(p.tensor_type != gguf.GGMLQuantizationType.MXFP4 for p in parts):
-        return None
-    values = [torch.from_numpy(gguf.quants.dequantize(np.asarray(p.data), p.tensor_type))
-              for p in parts]  # [E, out, in] float32, each
-    weight = values[0] if len(values) == 1 else torch.stack(values, dim=2).flatten(1, 2)
-    blocks, scales = quantize_mxfp4(weight)  # gate and up interleaved along out, as HF's
-    if not torch.equal(dequantize_mxfp4(blocks, scales), weight):
-        return [(name, weight.transpose(1, 2).to(torch.bfloat16).contiguous())]
-    return [(f"{name}_blocks", blocks), (f"{name}_scales", scales)]
-
-
-def _saved_dtype(tensors: Tensors) -> torch.dtype:
-    """The dtype most of the file's matrices are saved in (F32, F16 and BF16 keep theirs;
-    quantized ones become bfloat16)."""
+def describe_storage(config: Any, file: GgufFile) -> None:
+    """Set what a folder's config says of how its weights are stored: ``dtype``, the type
+    most matrices are stored in (F32 and F16 their own; BF16 and block types bfloat16), and
+    gpt-oss's MXFP4 ``quantization_config`` where its experts are MXFP4."""
     kinds = {gguf.GGMLQuantizationType.F32: torch.float32,
              gguf.GGMLQuantizationType.F16: torch.float16}
-    found = [kinds.get(t.tensor_type, torch.bfloat16) for t in tensors.values()
+    found = [kinds.get(t.tensor_type, torch.bfloat16) for t in file.tensors
              if len(t.shape) == 2]
-    return max(set(found), key=found.count) if found else torch.bfloat16
+    config.dtype = max(set(found), key=found.count) if found else torch.bfloat16
+    if any(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in file.tensors):
+        config.quantization_config = {"quant_method": "mxfp4"}  # as gpt-oss's own folders
 
 
 def convert(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
@@ -255,13 +199,12 @@ def convert(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> N
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
+    from ringserve.engine.loading.gguf_weights import GgufWeights
+
     path = Path(gguf_file)
-    reader = gguf.GGUFReader(os.fspath(path))
-    config = hf_config(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    config.dtype = _saved_dtype(tensors)
-    if any(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in tensors.values()):
-        config.quantization_config = {"quant_method": "mxfp4"}  # as gpt-oss's own folders
+    file = GgufFile(path)
+    config = hf_config(file)
+    describe_storage(config, file)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
@@ -276,7 +219,11 @@ def convert(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> N
         weight_map.update(dict.fromkeys(shard, file))
         shard.clear()
 
-    for name, value in _weights(reader, config):
+    weights = GgufWeights(file, config)
+    stored = weights.stored()
+    for name, value in weights.iter_weights():
+        if stored[name][0] not in ("F32", "F16", "BF16", "U8"):  # dequantized blocks
+            value = value.to(torch.bfloat16)
         key = ".".join(name.split(".")[:3]) if ".layers." in name else "rest"
         if shard and key != shard_key:
             flush()

@@ -6,9 +6,10 @@ Methods (`--quantization`, `LLM(quantization=...)`):
     int8   symmetric int8 per group of `INT8_GROUP` values, every linear and the output head
     int4   4-bit per group of `INT4_GROUP` values with a scale and a min, every linear and
            the output head
-    gguf   the blocks of the GGUF file the model came from, repacked at conversion
+    gguf   the blocks of the GGUF file the model is read from, repacked as they are read
            (`gguf_blocks.py`; Q8_0/Q5_0/Q6_K as int8 groups, Q4_0/Q4_1/Q4_K as 4-bit
-           groups); tensors the file stores in other block types stay in the model's dtype
+           groups; `gguf_weights.py`); tensors the file stores in other block types are
+           dequantized into the model's dtype
     auto   gguf for a model converted from a GGUF file on a CPU with the compiled kernels
            (every CPU class: bf16 activations by dpbf16 where the CPU has AVX512-BF16,
            float32 FMA elsewhere; what the user installed is what runs); none elsewhere
@@ -32,7 +33,10 @@ import torch
 from torch import nn
 
 from ringserve.engine.errors import InvalidRequestError
-from ringserve.engine.loading.gguf_blocks import BLOCKS_FILE, load_blocks
+from ringserve.engine.loading.find import gguf_weights_file
+from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES
+from ringserve.engine.loading.gguf_file import GgufFile
+from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear
 from ringserve.engine.models.layers import Attention, RMSNorm
 from ringserve.engine.models.moe import MoE
 from ringserve.engine.models.packed_linear import PackedLinear
@@ -65,7 +69,7 @@ def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
     if name not in METHODS:
         raise InvalidRequestError(f"quantization must be one of {', '.join(METHODS)}; got "
                                   f"{name!r}", param="quantization")  # fmt: skip
-    has_blocks = (folder / BLOCKS_FILE).is_file()
+    has_blocks = has_gguf_blocks(folder)
     if name == "auto":
         if not has_blocks:
             return "none", "auto: not a GGUF model"
@@ -81,9 +85,17 @@ def pick_quantization(name: str | None, *, folder: Path, device: torch.device,
             "quantization='none' (bfloat16 or float16 weights)", param="quantization")
     if name == "gguf" and not has_blocks:
         raise InvalidRequestError(
-            "quantization 'gguf' needs a model converted from a .gguf file or a preset; "
-            f"{folder} has no {BLOCKS_FILE}", param="quantization")
+            "quantization 'gguf' needs a model read from a .gguf file (or a preset) that "
+            f"stores blocks; {folder} has none", param="quantization")
     return name, "asked for"
+
+
+def has_gguf_blocks(folder: Path) -> bool:
+    """Whether the model is read from a GGUF file that stores matrices in a block type
+    served as stored (from the file's header alone)."""
+    source = gguf_weights_file(folder)
+    return source is not None and any(t.tensor_type in SUPPORTED_TYPES
+                                      for t in GgufFile(source).tensors)
 
 
 INT16_ACTIVATIONS = ("auto", "on", "off")
@@ -133,19 +145,21 @@ def pick_int16_activations(name: str | None, *, quantization: str,
     return True, f"auto: {cpu_isa.info().cls} CPU without bf16 arithmetic"
 
 
-def quantize_model(model: nn.Module, method: str, folder: Path, *,
+def quantize_model(model: nn.Module, method: str, gguf: GgufWeights | None, *,
                    int16_activations: bool = False) -> None:
     """Replace the model's linears (and a tied embedding) by quantized ones, in place.
 
     Runs after the weights are loaded and q/k/v and gate/up are fused, before the
     remaining float linears are packed. ``method`` is what `pick_quantization` returned;
-    ``int16_activations`` what `pick_int16_activations` did.
+    ``int16_activations`` what `pick_int16_activations` did; ``gguf`` the file the model
+    is read from, whose blocks stand in for the `PendingLinear` modules ("gguf").
     """
     if method == "none":
         return
     if method == "gguf":
-        blocks = load_blocks(folder)
-        replaced = _replace(model, lambda name, _linear: blocks.get(name))
+        if gguf is None:
+            raise ValueError("quantization gguf needs the GGUF file the model is read from")
+        replaced = _from_blocks(model, gguf)
         fuse_quantized(model)
         missing = sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
         if missing:
@@ -172,6 +186,35 @@ def quantize_model(model: nn.Module, method: str, folder: Path, *,
         logger.warning("quantization %s without the compiled kernels (they need float32 or "
                        "bfloat16 activations and a C++ compiler): every step widens the "
                        "weights, slower than quantization='none'", method)
+
+
+def _from_blocks(model: nn.Module, gguf: GgufWeights) -> int:
+    """Give every `PendingLinear` its GGUF blocks (read and repacked one tensor at a time):
+    a `QuantLinear` in its place, the token embedding a `QuantEmbedding` over the same
+    blocks (the head's where they are tied)."""
+    pending = {f"{path}.weight": (path, module) for path, module in model.named_modules()
+               if isinstance(module, PendingLinear)}
+    blocks = gguf.blocks_for(list(pending))  # a tied head's name: its embedding's blocks
+    layers: dict[str, QuantLinear] = {}
+    for name, (path, module) in pending.items():
+        if name not in blocks:
+            raise ValueError(f"{name}: its GGUF blocks could not be repacked")
+        qw = blocks[name]
+        if qw.shape != module.shape:
+            raise ValueError(f"{path}: GGUF blocks {qw.shape} do not match {module.shape}")
+        layers[path] = QuantLinear(qw, module.bias)
+    for path, layer in layers.items():
+        if path != "model.embed_tokens":
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+    if "model.embed_tokens" in layers:
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        head = getattr(model, "lm_head", None)
+        tied = isinstance(head, QuantLinear) and head.qweight is \
+            layers["model.embed_tokens"].qweight
+        table = head if tied else layers["model.embed_tokens"]
+        model.model.embed_tokens = QuantEmbedding(table, dtype, owned=not tied)  # type: ignore[union-attr,arg-type]
+    return len(layers)
 
 
 def _quantize(weight: torch.Tensor, method: str) -> QuantizedWeight | None:
@@ -244,6 +287,9 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     per_layer = getattr(getattr(model, "model", None), "embed_tokens_per_layer", None)
     if isinstance(per_layer, nn.Embedding):
         lookup_only.add(id(per_layer.weight))
+    for module in model.modules():  # a GGUF's own embedding table, in blocks
+        if isinstance(module, QuantEmbedding) and module.owned:
+            lookup_only |= {id(t) for t in module.buffers() if t is not None}
     share: dict[int, float] = {}  # a tensor read by a share of the tokens
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         if moe.linears is not None:

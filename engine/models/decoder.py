@@ -197,9 +197,12 @@ class CausalLM(nn.Module):
         return self._fast[1]
 
     def tie_weights(self) -> None:
-        """Share the embedding with the output head where the checkpoint ties them."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding with the output head where the checkpoint ties them (a head
+        and embedding that both wait for a GGUF file's blocks share those instead)."""
+        embed = self.model.embed_tokens
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear) \
+                and hasattr(embed, "weight"):
+            self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
                 kv_caches: KVCaches) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ringserve.engine.models.quant_linear import QuantLinear, uncopied_linear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
-from ringserve.kernels.hugepages import huge_copy
+from ringserve.kernels.hugepages import huge_copy, huge_zeros
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
@@ -115,18 +115,23 @@ class GreedyHead:
         (||w_r||, rounded up); T = ceil(vocab / 16)."""
         n, k, group = self.vocab, self.k, qw.group
         count = -(-n // TILE)
-        tiles = torch.full((count * TILE, k), 128, dtype=torch.uint8)
+        # [rows, k] -> [T, k / 4, 16, 4], written a chunk of rows at a time (a whole
+        # int16 widening of a 201k-row head was 1.2 GB beside the copy)
+        tiles = huge_zeros((count, k // 4, TILE, 4), torch.uint8)
         scales = torch.zeros(count * TILE, k // group, dtype=torch.float32)
         norms = torch.zeros(count * TILE, dtype=torch.float32)
-        tiles[:n] = (qw.qweight.to(torch.int16) + 128).to(torch.uint8)
         scales[:n] = qw.scales.float()
-        for lo in range(0, n, PACK_ROWS):
-            hi = min(n, lo + PACK_ROWS)
-            w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
-            norms[lo:hi] = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
-        # [rows, k] -> [T, k / 4, 16, 4]; [rows, groups] -> [T, groups, 16]
-        self.tiles = huge_copy(tiles.view(count, TILE, k // 4, 4).permute(0, 2, 1, 3)) \
-            .view(count, k * TILE)
+        codes = qw.qweight.view(torch.uint8)
+        for lo in range(0, count * TILE, PACK_ROWS):
+            hi = min(count * TILE, lo + PACK_ROWS)
+            rows = torch.full((hi - lo, k), 128, dtype=torch.uint8)  # q + 128; 128 pads
+            real = max(0, min(n, hi) - lo)
+            rows[:real] = codes[lo:lo + real] ^ 0x80
+            tiles[lo // TILE:hi // TILE] = rows.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3)
+            if real:
+                w = dequantize(qw.rows(torch.arange(lo, lo + real)), torch.float32).double()
+                norms[lo:lo + real] = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
+        self.tiles = tiles.view(count, k * TILE)
         self.scales = scales.view(count, TILE, k // group).permute(0, 2, 1).contiguous() \
             .view(count, -1)
         self.norms = norms

@@ -375,14 +375,22 @@ class QuantEmbedding(nn.Module):
     Args:
         head: the quantized layer whose weight is the table ([vocab, hidden]).
         dtype: the dtype of the rows returned.
+        owned: the table is this embedding's alone (a GGUF's untied embedding, in its
+            blocks): its tensors are this module's buffers, only looked up.
     """
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+    def __init__(self, head: QuantLinear, dtype: torch.dtype, owned: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.dtype = dtype
-        # NOTE: a plain attribute, not a submodule: the head is registered once, as lm_head.
+        # NOTE: a plain attribute, not a submodule: a tied head is registered once, as
+        # lm_head; an owned table's tensors are registered here, never as a linear's.
         self._head = [head]
+        self.owned = owned
+        if owned:
+            self.register_buffer("qweight", head.qweight)
+            self.register_buffer("scale_bits", head.scale_bits)
+            self.register_buffer("min_bits", head.min_bits)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self._head[0].qw.rows(ids.reshape(-1))
@@ -391,4 +399,4 @@ class QuantEmbedding(nn.Module):
     def extra_repr(self) -> str:
         head = self._head[0]
         return (f"{self.num_embeddings}, {self.embedding_dim}, bits={head.bits}, "
-                f"group={head.group}, tied to lm_head")  # fmt: skip
+                f"group={head.group}, {'its own table' if self.owned else 'tied to lm_head'}")
