@@ -51,9 +51,9 @@ print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt})
 
 TRANSFORMERS = """
 import json, time, torch, transformers
-from ringserve.engine.loading import resolve_model
+from ringserve.engine.loading.convert import export_hf_folder
 from ringserve.engine.startup import cpu_bf16_units
-path = resolve_model("gemma-3-270m").path
+path = export_hf_folder("gemma-3-270m")
 dtype = torch.bfloat16 if cpu_bf16_units() else torch.float32
 model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 tok = transformers.AutoTokenizer.from_pretrained(path)

@@ -6,6 +6,9 @@ and serves them:
 
     python benchmarks/real_shapes.py make gpt-oss-20b --layers 4 --out /tmp/gpt-oss-4
     python benchmarks/real_shapes.py serve /tmp/gpt-oss-4 --kv-cache-memory 256MiB
+    python benchmarks/real_shapes.py gguf /tmp/gpt-oss-4 --outtype q8_0 --out /tmp/g.gguf
+    python benchmarks/real_shapes.py serve /tmp/g.gguf --kv-cache-memory 256MiB
+    python benchmarks/real_shapes.py serve /tmp/g.gguf --server llamacpp -- -c 16384 -np 4
     python benchmarks/real_shapes.py plan gpt-oss-20b      # what every layer count needs
 
 `make` writes the folder one tensor at a time (never the whole model in memory): gpt-oss-20b
@@ -14,8 +17,13 @@ head), Gemma 3 12B's text model in bf16. `serve` starts `ringserve serve` on it 
 the start time (until /health says ready), the peak and serving RSS of the server's
 processes (API + engine core, from /proc: VmHWM and VmRSS), the bytes a decode step reads
 (the engine's own count) against the machine's read limit, and TPOT at 1, 4 and 16 streams.
-`plan` prints what every layer count up to the model's full one needs (weights as a CPU
-serves them, bf16 KV for 4 sequences of 8,192 tokens), from the config alone.
+`gguf` converts a folder with llama.cpp's own `convert_hf_to_gguf.py` (its tokenizer step
+steered as `tests/llamacpp_convert.py` explains); `serve --server llamacpp` measures
+llama.cpp's `llama-server` (built by `benchmarks/peers/setup_llamacpp.py`, 2 threads) on the
+same file the same way: the same requests, the same RSS meter (llama.cpp's RSS includes the
+file pages it maps, which are its weights). `plan` prints what every layer count up to the
+model's full one needs (weights as a CPU serves them, bf16 KV for 4 sequences of 8,192
+tokens), from the config alone.
 """
 
 from __future__ import annotations
@@ -263,21 +271,34 @@ def tpot(url: str, streams: int, max_tokens: int) -> tuple[float, float]:
     return 1000 * (each - first) / (max_tokens - 1), tokens / elapsed
 
 
+def _command(server: str, model: Path, port: int, extra: list[str]) -> list[str]:
+    if server == "ringserve":
+        return [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model),
+                "--port", str(port), *extra]
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from setup_llamacpp import build_dir
+
+    binary = build_dir() / "bin" / "llama-server"
+    if not binary.exists():
+        raise SystemExit(f"{binary} is missing: run benchmarks/peers/setup_llamacpp.py")
+    return [str(binary), "-m", str(model), "--port", str(port), "-t",
+            str(len(os.sched_getaffinity(0))), *extra]
+
+
 def serve(folder: Path, extra: list[str], streams: list[int], max_tokens: int,
-          port: int) -> dict[str, Any]:
+          port: int, server: str = "ringserve") -> dict[str, Any]:
     import httpx
 
     from benchmarks.peers.read_limit import read_bandwidth
 
     url = f"http://127.0.0.1:{port}"
     log = Path(f"/tmp/real-shapes-{port}.log")
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(folder),
-           "--port", str(port), *extra]
+    cmd = _command(server, folder, port, extra)
     start = time.monotonic()
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
     meter = RssMeter(proc.pid)
-    result: dict[str, Any] = {"folder": str(folder), "flags": " ".join(extra)}
+    result: dict[str, Any] = {"server": server, "model": str(folder), "flags": " ".join(extra)}
     try:
         while True:
             if proc.poll() is not None:
@@ -332,8 +353,13 @@ def main() -> None:
     m.add_argument("model", choices=sorted(MODELS))
     m.add_argument("--layers", type=int, default=None, help="default: the model's own")
     m.add_argument("--out", type=Path, required=True)
-    s = sub.add_parser("serve", help="serve a folder; print start, RSS and TPOT")
+    g = sub.add_parser("gguf", help="llama.cpp's converter on a folder")
+    g.add_argument("folder", type=Path)
+    g.add_argument("--outtype", default="q8_0")
+    g.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("serve", help="serve a folder or .gguf; print start, RSS and TPOT")
     s.add_argument("folder", type=Path)
+    s.add_argument("--server", choices=("ringserve", "llamacpp"), default="ringserve")
     s.add_argument("--streams", default="1,4,16")
     s.add_argument("--max-tokens", type=int, default=48)
     s.add_argument("--port", type=int, default=8765)
@@ -344,10 +370,15 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     if args.command == "make":
         make(args.model, args.layers, args.out)
+    elif args.command == "gguf":
+        from tests import llamacpp_convert
+
+        print(llamacpp_convert.convert(args.folder, args.out, args.outtype))
     elif args.command == "serve":
         streams = [int(x) for x in args.streams.split(",")]
-        print(json.dumps(serve(args.folder, extra, streams, args.max_tokens, args.port),
-                         indent=1))
+        extra = [x for x in extra if x != "--"]
+        print(json.dumps(serve(args.folder, extra, streams, args.max_tokens, args.port,
+                               args.server), indent=1))
     else:
         plan_table(args.model, args.seqs, args.tokens)
 

@@ -69,13 +69,16 @@ def compact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, exponents: torch.Tensor,
-                 bias: torch.Tensor | None, variant: str | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None, variant: str | None = None,
+                 split: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` over an MXFP4 weight read as a checkpoint stores it: each
     value its exact E2M1 value times its block's power of two, float32 FMA.
 
     Args:
         x: [m, k] float32 or bf16 (k a multiple of 32).
-        blocks: uint8 [n, k / 32, 16]: two E2M1 codes a byte, value 2i in byte i's low nibble.
+        blocks: uint8 [n, k / 32, 16]: two E2M1 codes a byte, value 2i in byte i's low
+            nibble and 2i + 1 in its high one (transformers' order), or with ``split``
+            (GGUF's order) value i in byte i's low nibble and 16 + i in its high one.
         exponents: uint8 [n, k / 32]: E8M0, the block's 2^(e - 127).
         bias: [n] or None.
         variant: the kernel variant (`kernels.cpu_isa.VARIANTS`); default this CPU's.
@@ -83,5 +86,6 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, exponents: torch.Tensor,
     Returns:
         [m, n] in x's dtype, each value one float32 sum rounded once.
     """
-    out: torch.Tensor = ops(variant).mxfp4_linear(x, blocks, exponents, bias, COMPACT_TILE_ROWS)
+    out: torch.Tensor = ops(variant).mxfp4_linear(x, blocks, exponents, bias, COMPACT_TILE_ROWS,
+                                                  split)
     return out

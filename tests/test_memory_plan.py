@@ -117,8 +117,10 @@ def hwm():  # VmHWM: this process's own peak (getrusage's survives the exec from
     return int(status.split("VmHWM:")[1].split()[0]) * 1024
 before = resident_bytes()
 assert hwm() < before + 64 * 2**20  # measured from near the peak so far
+quantization = sys.argv[2] if len(sys.argv) > 2 else "none"
 with loading_allocations():
-    model = load_model(sys.argv[1], dtype=torch.float32, hf_config=config)
+    model = load_model(sys.argv[1], dtype=torch.float32, hf_config=config,
+                       quantization=quantization)
 peak = hwm()
 held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 print(json.dumps(dict(before=before, peak=peak, after=resident_bytes(), held=held)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable
 
+import gguf
 import pytest
 import safetensors.torch
 import torch
@@ -83,13 +84,24 @@ def mxfp4_experts(weights: dict[str, torch.Tensor],
     return packed, plain
 
 
+def gguf_order(blocks: torch.Tensor) -> torch.Tensor:
+    """transformers' MXFP4 bytes (values 2i, 2i + 1 in byte i) in GGUF's nibble order
+    (value i in byte i's low nibble, 16 + i in its high one)."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., 32]
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["hf-order", "gguf-order"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.dtype) -> None:
+def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.dtype,
+                                      split: bool) -> None:
     """The blocks as stored, multiplied in registers (both paths: weight rows side by side
     for few x rows, float32 tiles for many), against float64 over the weight as
     transformers' own convert_moe_packed_tensors dequantises it: every exponent a real
-    checkpoint may hold, tiny and huge blocks included (float32 holds each 2^(e - 127))."""
+    checkpoint may hold, tiny and huge blocks included (float32 holds each 2^(e - 127)).
+    In GGUF's nibble order too, which gguf-py's own dequantisation of the 17-byte blocks
+    confirms is the same weight."""
     torch.manual_seed(rows)
     weight = torch.randn(3, 67, 192) * torch.rand(3, 67, 1) * 4
     blocks, scales = quantize_mxfp4(weight)
@@ -97,7 +109,14 @@ def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.
     x = torch.randn(rows, 192).to(dtype)
     bias = torch.randn(67)
     reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].T
-    got = cpu_gemm.mxfp4_linear(x, blocks[0], scales[0], bias, variant=cpu_variant)
+    if split:
+        blocks = gguf_order(blocks)
+        stored = torch.cat((scales[0, ..., None], blocks[0]), dim=-1)  # GGUF's 17 bytes
+        theirs = gguf.quants.dequantize(stored.reshape(67, -1).numpy(),
+                                        gguf.GGMLQuantizationType.MXFP4)
+        assert torch.equal(torch.from_numpy(theirs), reference.T)
+    got = cpu_gemm.mxfp4_linear(x, blocks[0].contiguous(), scales[0], bias,
+                                variant=cpu_variant, split=split)
     expected = x.double() @ reference.double().T + bias.double()
     assert got.dtype == dtype and got.shape == (rows, 67)
     # float32 sums of 192 products: each off by at most ~192 float32 roundings of the sum

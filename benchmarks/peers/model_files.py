@@ -1,5 +1,6 @@
-"""The gemma-3-270m weights every row serves: ringserve's converted HF folder (bf16
-safetensors), and how many bytes a decode step reads from each row's format."""
+"""The gemma-3-270m weights every row serves: the preset's GGUF dequantized once into an HF
+folder of bf16 safetensors (what vLLM and llama.cpp's bf16 row read; ringserve serves the
+GGUF itself), and how many bytes a decode step reads from each row's format."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from paths import MODEL
 
 
 def hf_folder() -> Path:
-    """The preset converted once by ringserve's loader (~1 min the first time)."""
-    from ringserve.engine.loading import resolve_model
+    """The preset exported once by ringserve's loader (~1 min the first time)."""
+    from ringserve.engine.loading.convert import export_hf_folder
 
-    return Path(resolve_model(MODEL).path)
+    return export_hf_folder(MODEL)
 
 
 def parameter_count(folder: Path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ringserve.engine.loading.checkpoint import (
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.find import gguf_weights_file
 from ringserve.engine.loading.gguf_file import GgufFile
-from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear
+from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear, saved_parameters
 from ringserve.engine.loading.mxfp4 import merge_mxfp4
 from ringserve.engine.loading.quantize import quantize_model
 from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
@@ -80,7 +81,8 @@ def load_model(
     with torch.device("meta"), _no_init():
         model = CausalLM(cfg, model_layer_groups(cfg)).to(dtype)
     source = gguf_weights_file(path)  # a GGUF's metadata folder: weights from the file
-    gguf = GgufWeights(GgufFile(source), hf_config) if source is not None else None
+    gguf = GgufWeights(GgufFile(source), hf_config, saved_parameters(Path(path))) \
+        if source is not None else None
     stored = gguf.stored() if gguf is not None else stored_tensors(path)
     # MXFP4 experts: served as stored on a CPU (never widened), widened once elsewhere
     native = torch.device(device).type == "cpu" and cpu_build.available()
@@ -95,9 +97,10 @@ def load_model(
     blocks: dict[str, list[nn.Module]] = {}
     # read in place where the stored format is the parameter's
     into = {n: p.data for n, p in model.named_parameters()}
-    read = gguf.iter_weights(skip=pending, into=into) if gguf is not None \
-        else iter_weights(path, into=into)
-    weights = _take_mxfp4(read, compact, blocks)
+    # a GGUF's MXFP4 blocks stay in its nibble order where our kernels serve them
+    read = gguf.iter_weights(skip=pending, into=into, mxfp4_split=bool(compact)) \
+        if gguf is not None else iter_weights(path, into=into)
+    weights = _take_mxfp4(read, compact, blocks, split=gguf is not None)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
     split_experts(model)  # each expert's projections: linears, packed or quantized below
@@ -202,10 +205,12 @@ def _mxfp4_moes(model: nn.Module, stored: dict[str, Any]) -> dict[str, MoE]:
 
 
 def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE],
-                out: dict[str, list[nn.Module]]) -> Iterator[tuple[str, torch.Tensor]]:
+                out: dict[str, list[nn.Module]], *,
+                split: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass every tensor on but the MXFP4 blocks and scales of ``moes``: each pair becomes
     one `Mxfp4Linear` an expert, over views of the tensors as they were read (the stored
-    bytes, never widened or copied), into ``out`` under ``<moe>.<projection>``."""
+    bytes, never widened or copied), into ``out`` under ``<moe>.<projection>``; ``split``:
+    the blocks' nibbles are in GGUF's order."""
     wanted = {f"{m}.experts.{p}_{part}": (f"{m}.{p}", part) for m in moes
               for p in _PROJECTIONS for part in ("blocks", "scales")}
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -223,8 +228,8 @@ def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE
         if blocks.dim() != 4 or blocks.shape[:3] != scales.shape or blocks.shape[3] != 16:
             raise ModelLoadError(f"{key}: mxfp4 blocks {list(blocks.shape)} do not match "
                                  f"scales {list(scales.shape)}")
-        out[key] = [Mxfp4Linear(codes, exps) for codes, exps in zip(blocks, scales,
-                                                                     strict=True)]
+        out[key] = [Mxfp4Linear(codes, exps, split=split)
+                    for codes, exps in zip(blocks, scales, strict=True)]
 
 
 def _attach_experts(moes: dict[str, MoE], linears: dict[str, list[nn.Module]]) -> None:

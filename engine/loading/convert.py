@@ -293,6 +293,7 @@ def write_metadata(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     from ringserve.engine.loading import gguf_model
+    from ringserve.engine.loading.gguf_weights import PARAMETERS_FILE, expected_parameters
 
     reader_name = "gguf-py"  # until the file parses
     try:
@@ -310,6 +311,8 @@ def write_metadata(gguf: Path, out: Path) -> None:
                                                       local_files_only=True)
         gguf_model.describe_storage(config, file)
         config.save_pretrained(out)
+        parameters = expected_parameters(config)
+        (out / PARAMETERS_FILE).write_text(json.dumps(parameters), encoding="utf-8")
         tokenizer.save_pretrained(str(out))
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n",

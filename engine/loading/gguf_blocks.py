@@ -212,6 +212,13 @@ def repack(
         )
     if bits == 4 and k % INT4_CHUNK:
         return None  # our 4-bit packing runs in chunks of INT4_CHUNK values along k
+    if Q(tensor_type) == Q.Q8_0:  # our int8 layout is its own bytes: two strided copies
+        raw8 = torch.from_numpy(data.reshape(n, nb, block_bytes))
+        q8_scales = raw8[..., :2].contiguous().view(torch.float16).reshape(n, nb)
+        if not torch.isfinite(q8_scales).all():
+            return None
+        return QuantizedWeight(8, 32, raw8[..., 2:].reshape(n, k).view(torch.int8), q8_scales,
+                               None)
     blocks = data.reshape(n, nb, block_bytes)
     values = np.empty((n, k // 2) if bits == 4 else (n, k), np.uint8 if bits == 4 else np.int8)
     scales = np.empty((n, k // group), np.float16)

@@ -24,8 +24,10 @@ transposed (`gguf_archs`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -46,7 +48,8 @@ from ringserve.engine.loading.gguf_blocks import (
 from ringserve.engine.loading.gguf_file import GgufFile, GgufTensor
 from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight
 
-__all__ = ["GgufWeights", "PendingLinear", "mxfp4_pair"]
+__all__ = ["PARAMETERS_FILE", "GgufWeights", "PendingLinear", "expected_parameters", "mxfp4_pair",
+           "saved_parameters"]
 
 Q = gguf.GGMLQuantizationType
 _STORED = {Q.F32: ("F32", torch.float32), Q.F16: ("F16", torch.float16),
@@ -55,6 +58,32 @@ _STORED = {Q.F32: ("F32", torch.float32), Q.F16: ("F16", torch.float16),
 # `TENSOR_PROCESSORS`); ours are in `gguf_archs.ARCHS`
 _NORM_SHIFT = {"gemma3": 1.0}
 _EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+PARAMETERS_FILE = "parameters.json"
+"""A GGUF's model folder keeps `expected_parameters` here (building transformers' model on
+the meta device to learn them imports its modeling code: ~3 s of every start)."""
+
+
+def expected_parameters(config: Any) -> dict[str, tuple[int, ...]]:
+    """transformers' parameter names and shapes for ``config`` (a tied head left out)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def saved_parameters(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """What `PARAMETERS_FILE` in ``folder`` holds, or None."""
+    path = folder / PARAMETERS_FILE
+    if not path.is_file():
+        return None
+    return {name: tuple(shape) for name, shape in
+            json.loads(path.read_text(encoding="utf-8")).items()}
 
 
 class PendingLinear(nn.Module):
@@ -75,14 +104,18 @@ class PendingLinear(nn.Module):
         raise RuntimeError("a GGUF linear was never given its blocks")
 
 
-def mxfp4_pair(parts: list[GgufTensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF MXFP4 expert tensors [E, out, in] -> transformers' pair (blocks [E, rows, G,
-    16] uint8, scales [E, rows, G] uint8), rows interleaved where there are two parts
-    (gpt-oss's gate and up: row 2i of the first, 2i + 1 of the second).
+def mxfp4_pair(parts: list[GgufTensor], split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF MXFP4 expert tensors [E, out, in] -> (blocks [E, rows, G, 16] uint8, scales
+    [E, rows, G] uint8) in transformers' pair's shapes, rows interleaved where there are two
+    parts (gpt-oss's gate and up: row 2i of the first, 2i + 1 of the second).
 
     A GGUF block is 17 bytes: the E8M0 exponent, then 16 bytes whose low nibbles are values
-    0-15 and high nibbles values 16-31; transformers' holds values 2i and 2i + 1 in byte i's
-    low and high nibble. The same codes and exponents, so the same numbers, exactly.
+    0-15 and high nibbles values 16-31. With ``split`` the 16 bytes are kept as they are
+    (the CPU kernel reads that order: `Mxfp4Linear(split=True)`): two strided copies.
+    Without, they are reordered into transformers' order (values 2i and 2i + 1 in byte i's
+    low and high nibble), which a model without the CPU kernels widens
+    (`mxfp4.merge_mxfp4`): ~0.4 s a tensor of 141 MB. The same codes and exponents either
+    way, so the same numbers, exactly.
     """
     experts, rows, k = parts[0].hf_shape
     groups = k // 32
@@ -91,13 +124,20 @@ def mxfp4_pair(parts: list[GgufTensor]) -> tuple[torch.Tensor, torch.Tensor]:
     for index, part in enumerate(parts):
         if part.hf_shape != (experts, rows, k) or part.tensor_type != Q.MXFP4:
             raise ModelLoadError(f"{part.name}: MXFP4 parts of one projection differ")
-        raw = part.read().reshape(experts, rows, groups, 17)
-        out_blocks = blocks.numpy()[:, index::len(parts)]
-        scales.numpy()[:, index::len(parts)] = raw[..., 0]
+        raw = torch.from_numpy(part.read()).view(experts, rows, groups, 17)
+        out_blocks = blocks[:, index::len(parts)]
+        scales[:, index::len(parts)] = raw[..., 0]
+        if split:
+            out_blocks.copy_(raw[..., 1:])
+            continue
         for e in range(experts):  # an expert at a time bounds the temporaries
-            qs = raw[e, ..., 1:]
-            codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # [rows, G, 32]
-            out_blocks[e] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+            # byte 2i's low nibble and byte 2i + 1's are values 2i and 2i + 1
+            # (transformers' byte i); their high nibbles 16 + 2i and 17 + 2i (its 8 + i)
+            codes = raw[e, ..., 1:].numpy()
+            even, odd = codes[..., 0::2], codes[..., 1::2]
+            target = out_blocks[e].numpy()
+            np.bitwise_or(even & 0x0F, odd << 4, out=target[..., :8])
+            np.bitwise_or(even >> 4, odd & 0xF0, out=target[..., 8:])
     return blocks, scales
 
 
@@ -117,17 +157,12 @@ class GgufWeights:
         ModelLoadError: a parameter the file has no tensor for.
     """
 
-    def __init__(self, file: GgufFile, config: Any) -> None:
-        import transformers
-
+    def __init__(self, file: GgufFile, config: Any,
+                 expected: dict[str, tuple[int, ...]] | None = None) -> None:
         self.file = file
         self.arch_name = file.architecture
         self.arch = ARCHS.get(self.arch_name)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-        expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight", None)
+        expected = expected if expected is not None else expected_parameters(config)
         self.mapped = gguf_tensor_names(file, expected, missing_ok=True)
         tensors = file.by_name
         self.sources: dict[str, _Source] = {}
@@ -205,17 +240,18 @@ class GgufWeights:
 
     def iter_weights(self, *, skip: Collection[str] = (),
                      into: Mapping[str, torch.Tensor] | None = None,
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     mxfp4_split: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor but those in ``skip`` (served as blocks), in the file's order of
         the model (layer by layer): stored floats as stored (read into ``into``'s tensor of
         that name where its dtype and shape are the stored ones and nothing is undone),
-        MXFP4 experts as transformers' pairs, other block types dequantized to float32."""
+        MXFP4 experts as transformers' pairs (their nibbles in GGUF's order with
+        ``mxfp4_split``, see `mxfp4_pair`), other block types dequantized to float32."""
         into = into or {}
         for name, source in self.sources.items():
             if name in skip:
                 continue
             if name.endswith("_blocks") and name[:-7] in self.mxfp4:
-                blocks, scales = mxfp4_pair(self.mxfp4[name[:-7]])
+                blocks, scales = mxfp4_pair(self.mxfp4[name[:-7]], mxfp4_split)
                 yield name, blocks
                 yield f"{name[:-7]}_scales", scales
                 continue

@@ -129,8 +129,7 @@ class GreedyHead:
             rows[:real] = codes[lo:lo + real] ^ 0x80
             tiles[lo // TILE:hi // TILE] = rows.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3)
             if real:
-                w = dequantize(qw.rows(torch.arange(lo, lo + real)), torch.float32).double()
-                norms[lo:lo + real] = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
+                norms[lo:lo + real] = _norms(qw, lo, lo + real)
         self.tiles = tiles.view(count, k * TILE)
         self.scales = scales.view(count, TILE, k // group).permute(0, 2, 1).contiguous() \
             .view(count, -1)
@@ -222,3 +221,17 @@ class GreedyHead:
             out = uncopied_linear(x, rows, None, kernel=head.kernel,
                                   int16_acts=head.int16_acts)
         return out
+
+
+def _norms(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
+    """||w_r|| of rows [lo, hi), rounded up (float32). For int8 groups without mins the
+    squares are summed as integers first (exact in float32: 32 values of at most 128^2)
+    and scaled once a group in float64: ~10x faster than widening every value to float64,
+    the same norm to float64 rounding."""
+    if qw.bits == 8 and qw.mins is None:
+        q = qw.qweight[lo:hi].view(hi - lo, -1, qw.group).float()
+        squares = (q * q).sum(-1).double()  # [rows, groups], exact integers
+        total = (squares * qw.scales[lo:hi].double().square()).sum(-1)
+        return (total.sqrt() * (1 + 1e-6)).float()  # rounded up
+    w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
+    return (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up

@@ -138,11 +138,14 @@ class Mxfp4Linear(nn.Module):
         blocks: uint8 [out, in / 32, 16] (two E2M1 codes a byte).
         exponents: uint8 [out, in / 32] (E8M0).
         bias: [out] or None.
+        split: the blocks' nibbles in GGUF's order (value i in byte i's low nibble, 16 + i
+            in its high one), else transformers' (2i and 2i + 1 in byte i's).
     """
 
     def __init__(self, blocks: torch.Tensor, exponents: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, split: bool = False) -> None:
         super().__init__()
+        self.split = split
         self.out_features, groups = exponents.shape
         self.in_features = groups * 32
         if blocks.shape != (self.out_features, groups, 16) or blocks.dtype != torch.uint8 \
@@ -158,11 +161,13 @@ class Mxfp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = cpu_gemm.mxfp4_linear(flat, self.blocks, self.exponents, self.bias)
+        out = cpu_gemm.mxfp4_linear(flat, self.blocks, self.exponents, self.bias,
+                                    split=self.split)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
+        order = ", GGUF nibble order" if self.split else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4{order}"
 
 
 def _concat(layers: list[nn.Linear]) -> nn.Linear:

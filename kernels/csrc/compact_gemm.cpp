@@ -77,6 +77,7 @@ struct Weight {
   const c10::Half* scales;  // [n, groups] (int8, 4-bit)
   const c10::Half* mins;    // [n, groups] (4-bit)
   const uint8_t* exponents;  // [n, groups] (MXFP4: E8M0, the block's 2^(e - 127))
+  bool split;  // MXFP4 nibble order: GGUF's (value i low, 16 + i high) or transformers'
 };
 
 // VW values as stored (before scale and min), from p: bf16 and int8 at their own offset;
@@ -92,15 +93,20 @@ struct Weight {
 // halved to match, `e8m0_half`).
 alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-inline void decode_fp4(const uint8_t* p, vf* out) {
+// The 32 values of one block, in order: with `split` (GGUF's order) value i is byte i's low
+// nibble and value 16 + i its high one; else (transformers') values 2i and 2i + 1 are byte
+// i's low and high nibble.
+inline void decode_fp4(const uint8_t* p, bool split, vf* out) {
 #if defined(__AVX2__) || defined(__AVX512F__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(bytes, mask);
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
   const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
-  const __m128i v0 = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));  // values 0-15
-  const __m128i v1 = _mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi));  // values 16-31
+  const __m128i first = split ? lo : _mm_unpacklo_epi8(lo, hi);
+  const __m128i second = split ? hi : _mm_unpackhi_epi8(lo, hi);
+  const __m128i v0 = _mm_shuffle_epi8(table, first);   // values 0-15
+  const __m128i v1 = _mm_shuffle_epi8(table, second);  // values 16-31
 #if defined(__AVX512F__)
   out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0));
   out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1));
@@ -114,7 +120,8 @@ inline void decode_fp4(const uint8_t* p, vf* out) {
   for (int u = 0; u < 32 / VW; ++u)
     for (int i = 0; i < VW; ++i) {
       const int at = u * VW + i;
-      out[u][i] = kE2M1x2[(p[at / 2] >> (4 * (at & 1))) & 0xF];
+      const int code = split ? p[at & 15] >> (4 * (at >> 4)) : p[at / 2] >> (4 * (at & 1));
+      out[u][i] = kE2M1x2[code & 0xF];
     }
 #endif
 }
@@ -229,7 +236,7 @@ inline void dot_rows(const Weight& w, const float* x, int64_t r, int64_t n, cons
           // the same float32 products and sums as scaling each value, bar overflow)
           for (int i = 0; i < R; ++i) {
             vf wv[32 / VW];
-            decode_fp4(rows[i] + j / 2, wv);
+            decode_fp4(rows[i] + j / 2, w.split, wv);
             for (int m = 0; m < M; ++m) {
               vf block = wv[0] * load<vf>(x + m * k + j);
               for (int u = 1; u < 32 / VW; ++u) block += wv[u] * load<vf>(x + m * k + j + u * VW);
@@ -322,7 +329,7 @@ void widen_tile(const Weight& w, int64_t r0, int64_t valid, float* sc, float* mn
         for (int64_t j = g * w.group; j < (g + 1) * w.group; j += kStep<KIND>) {
           if constexpr (KIND == kMxfp4) {
             vf block[32 / VW];
-            decode_fp4(row + j / 2, block);
+            decode_fp4(row + j / 2, w.split, block);
             for (int u = 0; u < 32 / VW; ++u) {
               const vf v = block[u] * s;
               std::memcpy(t + j + u * VW, &v, sizeof(v));
@@ -452,13 +459,14 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // x: [m, k] float32 or bf16; blocks: uint8 [n, k / 32, 16] or [n, k / 2], as an MXFP4
-// checkpoint stores one matrix (two E2M1 codes a byte, value 2i in byte i's low nibble);
+// checkpoint stores one matrix (two E2M1 codes a byte: value 2i in byte i's low nibble, or
+// with `split`, GGUF's order, value i in byte i's low nibble and 16 + i in its high one);
 // exponents: uint8 [n, k / 32] (E8M0, 255 is NaN); bias: [n] or None. Returns [m, n] in x's
 // dtype: every weight is its exact value (E2M1 times 2^(e - 127), a float32), every
 // product and sum float32. More than `tile_rows` x rows take the tiles.
 at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
                         const at::Tensor& exponents, const std::optional<at::Tensor>& bias,
-                        int64_t tile_rows) {
+                        int64_t tile_rows, bool split) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "mxfp4_linear: x must be float32 or bf16 [m, k]");
   const int64_t k = x.size(1), n = blocks.size(0), rows = x.size(0);
@@ -477,6 +485,7 @@ at::Tensor mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
   w.group = 32;
   w.groups = k / 32;
   w.exponents = exponents.data_ptr<uint8_t>();
+  w.split = split;
   return in_float32(x, bias, n, [&](const float* xp, const float* bp, float* op) {
     run<kMxfp4>(w, xp, rows, n, bp, tile_rows, op);
   });
@@ -492,7 +501,7 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
         "int group, Tensor? bias, int tile_rows=8) -> Tensor");
   m.def("compact_vector_width() -> int", &compact_vector_width);
   m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor exponents, Tensor? bias, "
-        "int tile_rows=8) -> Tensor");
+        "int tile_rows=8, bool split=False) -> Tensor");
 }
 
 RINGSERVE_IMPL(RINGSERVE_NS, m) {
