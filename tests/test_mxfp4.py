@@ -114,7 +114,7 @@ def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.
         stored = torch.cat((scales[0, ..., None], blocks[0]), dim=-1)  # GGUF's 17 bytes
         theirs = gguf.quants.dequantize(stored.reshape(67, -1).numpy(),
                                         gguf.GGMLQuantizationType.MXFP4)
-        assert torch.equal(torch.from_numpy(theirs), reference.T)
+        assert torch.equal(torch.from_numpy(theirs), reference)
     got = cpu_gemm.mxfp4_linear(x, blocks[0].contiguous(), scales[0], bias,
                                 variant=cpu_variant, split=split)
     expected = x.double() @ reference.double().T + bias.double()

@@ -123,9 +123,10 @@ def _pend_blocks(model: nn.Module, gguf: GgufWeights) -> set[str]:
     the token embedding, whose GGUF blocks will be served as stored (`quantize_model` reads
     them); their weight names, to leave out of the float loading. A tied head is pending
     with its embedding (the same blocks)."""
-    embed = model.model.embed_tokens  # type: ignore[union-attr]
-    targets = {f"{prefix}.weight": module for prefix, module in model.named_modules()
-               if type(module) is nn.Linear or module is embed}
+    embed: Any = model.model.embed_tokens  # type: ignore[union-attr]
+    targets: dict[str, Any] = {f"{prefix}.weight": module
+                               for prefix, module in model.named_modules()
+                               if type(module) is nn.Linear or module is embed}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied:
         targets.pop("lm_head.weight", None)  # follows the embedding
@@ -137,7 +138,7 @@ def _pend_blocks(model: nn.Module, gguf: GgufWeights) -> set[str]:
         _set_module(model, name.removesuffix(".weight"),
                     PendingLinear(*shape, getattr(module, "bias", None)))
     if tied and "model.embed_tokens.weight" in served:
-        head = model.lm_head  # type: ignore[union-attr]
+        head: Any = model.lm_head
         model.lm_head = PendingLinear(head.out_features, head.in_features, None)
     return served
 

@@ -139,7 +139,7 @@ def gguf_weights_file(folder: str | os.PathLike[str]) -> Path | None:
         raise ModelLoadError(f"{source} is not valid JSON: {err}") from err
     if not named:
         return None
-    file = Path(folder) / named  # an absolute name stays absolute
+    file = Path(folder) / str(named)  # an absolute name stays absolute
     if not file.is_file():
         raise ModelLoadError(f"{folder} reads its weights from {file}, which is gone; pass "
                              "the .gguf file again")

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.gguf_file import GgufTensor
 
 __all__ = ["ARCHS", "Arch", "Fields", "Tensors", "read_tensor"]
 
 Fields = dict[str, Any]  # the file's metadata, `arch.` prefix removed from its own keys
-Tensors = dict[str, gguf.ReaderTensor]  # the file's tensors by GGUF name
+Tensors = dict[str, gguf.ReaderTensor | GgufTensor]  # the file's tensors by GGUF name
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Arch:
     swa_unscaled: bool = False  # rotary scaling on the full layers only (llama.cpp's OLMo 2)
 
 
-def read_tensor(reader_tensor: gguf.ReaderTensor) -> torch.Tensor:
+def read_tensor(reader_tensor: gguf.ReaderTensor | GgufTensor) -> torch.Tensor:
     """A tensor of the file as torch, in numpy's (outermost-first) order, dequantized."""
     kind = reader_tensor.tensor_type
     data = np.asarray(reader_tensor.data)

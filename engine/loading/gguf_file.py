@@ -201,7 +201,7 @@ class GgufFile:
         with self.path.open("rb", buffering=0) as handle:
             got = 0
             while got < size:
-                n = os.preadv(handle.fileno(), [memoryview(out)[got:]], offset + got)
+                n = os.preadv(handle.fileno(), [out.data[got:]], offset + got)
                 if n <= 0:
                     raise ModelLoadError(f"{self.path.name}: short read of tensor {what!r}")
                 got += n

@@ -232,6 +232,8 @@ def _norms(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
         q = qw.qweight[lo:hi].view(hi - lo, -1, qw.group).float()
         squares = (q * q).sum(-1).double()  # [rows, groups], exact integers
         total = (squares * qw.scales[lo:hi].double().square()).sum(-1)
-        return (total.sqrt() * (1 + 1e-6)).float()  # rounded up
+        rounded: torch.Tensor = (total.sqrt() * (1 + 1e-6)).float()  # rounded up
+        return rounded
     w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
-    return (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
+    norms: torch.Tensor = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
+    return norms
