@@ -99,6 +99,25 @@ def test_the_pick_is_the_full_heads_first_maximum(cpu_variant: str, m: int, rows
 
 
 @each_pass
+@pytest.mark.parametrize("group", [16, 32])
+def test_the_copy_holds_every_row_and_a_bound_on_its_norm(cpu_variant: str, group: int) -> None:
+    """The one-byte copy, packed in one pass by the kernels: every row's values + 128 in
+    the tile layout, padding rows zero, and each norm at least ||w_r|| (float64 over the
+    dequantized row) and at most 2e-6 above it (the pass's candidates rest on it)."""
+    vocab, k = 37, 96  # three tiles, the last one with 11 padding rows
+    head = _head(vocab, k, None, seed=3, group=group)
+    copy = GreedyHead(head, amx=False)
+    count = -(-vocab // 16)
+    tiles = copy.tiles.view(count, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(count * 16, k)
+    want = head.qw.qweight.view(torch.uint8) ^ 0x80
+    assert torch.equal(tiles[:vocab], want)
+    assert bool((tiles[vocab:] == 128).all())
+    exact = dequantize(head.qw, torch.float32).double().norm(dim=1)
+    norms = copy.norms.double()
+    assert bool((norms[:vocab] >= exact).all()) and bool((norms[vocab:] == 0).all())
+    assert bool((norms[:vocab] <= exact * (1 + 2e-6)).all())
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_ties_go_to_the_first_row_as_the_full_head_breaks_them(cpu_variant: str,
                                                                rows: str) -> None:

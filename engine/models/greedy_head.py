@@ -115,21 +115,14 @@ class GreedyHead:
         (||w_r||, rounded up); T = ceil(vocab / 16)."""
         n, k, group = self.vocab, self.k, qw.group
         count = -(-n // TILE)
-        # [rows, k] -> [T, k / 4, 16, 4], written a chunk of rows at a time (a whole
-        # int16 widening of a 201k-row head was 1.2 GB beside the copy)
+        # [rows, k] -> [T, k / 4, 16, 4] and the norms, in one pass of the kernels (in
+        # Python, a 201k-row head's copy took 7-10 s of a start on 2 cores)
         tiles = huge_zeros((count, k // 4, TILE, 4), torch.uint8)
         scales = torch.zeros(count * TILE, k // group, dtype=torch.float32)
-        norms = torch.zeros(count * TILE, dtype=torch.float32)
+        norms = torch.empty(count * TILE, dtype=torch.float32)
         scales[:n] = qw.scales.float()
-        codes = qw.qweight.view(torch.uint8)
-        for lo in range(0, count * TILE, PACK_ROWS):
-            hi = min(count * TILE, lo + PACK_ROWS)
-            rows = torch.full((hi - lo, k), 128, dtype=torch.uint8)  # q + 128; 128 pads
-            real = max(0, min(n, hi) - lo)
-            rows[:real] = codes[lo:lo + real] ^ 0x80
-            tiles[lo // TILE:hi // TILE] = rows.view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3)
-            if real:
-                norms[lo:lo + real] = _norms(qw, lo, lo + real)
+        ops().greedy_head_pack_int8(qw.qweight.contiguous(), qw.scales.contiguous(), group,
+                                    tiles.view(count, k * TILE), norms)
         self.tiles = tiles.view(count, k * TILE)
         self.scales = scales.view(count, TILE, k // group).permute(0, 2, 1).contiguous() \
             .view(count, -1)
@@ -222,18 +215,3 @@ class GreedyHead:
                                   int16_acts=head.int16_acts)
         return out
 
-
-def _norms(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
-    """||w_r|| of rows [lo, hi), rounded up (float32). For int8 groups without mins the
-    squares are summed as integers first (exact in float32: 32 values of at most 128^2)
-    and scaled once a group in float64: ~10x faster than widening every value to float64,
-    the same norm to float64 rounding."""
-    if qw.bits == 8 and qw.mins is None:
-        q = qw.qweight[lo:hi].view(hi - lo, -1, qw.group).float()
-        squares = (q * q).sum(-1).double()  # [rows, groups], exact integers
-        total = (squares * qw.scales[lo:hi].double().square()).sum(-1)
-        rounded: torch.Tensor = (total.sqrt() * (1 + 1e-6)).float()  # rounded up
-        return rounded
-    w = dequantize(qw.rows(torch.arange(lo, hi)), torch.float32).double()
-    norms: torch.Tensor = (w.norm(dim=1) * (1 + 1e-6)).float()  # rounded up
-    return norms

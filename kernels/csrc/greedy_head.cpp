@@ -939,6 +939,62 @@ bool greedy_head_finite(const at::Tensor& x) {
   return ok;
 }
 
+// The one-byte copy of an int8 head (qweight [n, k] int8, scales [n, k / group] float16,
+// no mins) that greedy_head_candidates reads, packed in one pass: tiles [T, k * 16] uint8 of
+// q + 128, tile t holding rows 16t..16t + 15 as [k / 4][16][4] (rows past n are 128: zero),
+// and norms [T * 16] float32, each row's ||w_r|| = sqrt(sum_g s_g^2 sum_j q_j^2) in double
+// (integer squares, exact), rounded up by 1e-6 (0 for the padding rows).
+void greedy_head_pack_int8(const at::Tensor& qweight, const at::Tensor& scales, int64_t group,
+                           at::Tensor& tiles, at::Tensor& norms) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "greedy_head_pack_int8: qweight must be int8 [n, k], contiguous");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(group > 0 && k % group == 0 && k % 4 == 0, "greedy_head_pack_int8: bad group");
+  const int64_t groups = k / group, count = tiles.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == n * groups,
+              "greedy_head_pack_int8: scales must be float16 [n, k / group], contiguous");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.numel() == count * k * 16 && count * 16 >= n,
+              "greedy_head_pack_int8: tiles must be uint8 [ceil(n / 16), k * 16]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
+                  norms.numel() == count * 16,
+              "greedy_head_pack_int8: norms must be float32 [tiles * 16]");
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const c10::Half* sc = scales.data_ptr<c10::Half>();
+  uint8_t* out = tiles.data_ptr<uint8_t>();
+  float* norm = norms.data_ptr<float>();
+  ringserve::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = out + t * k * 16;
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = t * 16 + i;
+        if (r >= n) {
+          for (int64_t c = 0; c < k / 4; ++c) std::memset(tile + c * 64 + i * 4, 128, 4);
+          norm[r] = 0.f;
+          continue;
+        }
+        const int8_t* row = q + r * k;
+        double total = 0.0;
+        for (int64_t g = 0; g < groups; ++g) {
+          int64_t squares = 0;
+          for (int64_t j = g * group; j < (g + 1) * group; ++j)
+            squares += static_cast<int64_t>(row[j]) * row[j];
+          const double s = static_cast<float>(sc[r * groups + g]);
+          total += s * s * static_cast<double>(squares);
+        }
+        norm[r] = static_cast<float>(std::sqrt(total) * (1 + 1e-6));  // rounded up
+        for (int64_t c = 0; c < k / 4; ++c) {
+          uint32_t four;
+          std::memcpy(&four, row + c * 4, 4);
+          four ^= 0x80808080u;  // q + 128, as bytes
+          std::memcpy(tile + c * 64 + i * 4, &four, 4);
+        }
+      }
+    }
+  });
+}
+
 bool greedy_head_supported() {
 #if defined(RINGSERVE_GREEDY_PASS)
   return true;
@@ -957,9 +1013,12 @@ RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
         "Tensor[]");
   m.def("greedy_head_amx_supported() -> bool", &greedy_head_amx_supported);
   m.def("greedy_head_finite(Tensor x) -> bool", &greedy_head_finite);
+  m.def("greedy_head_pack_int8(Tensor qweight, Tensor scales, int group, Tensor(a!) tiles, "
+        "Tensor(b!) norms) -> ()");
 }
 
 RINGSERVE_IMPL(RINGSERVE_NS, m) {
   m.impl("greedy_head_candidates", &greedy_head_candidates);
   m.impl("greedy_head_candidates_amx", &greedy_head_candidates_amx);
+  m.impl("greedy_head_pack_int8", &greedy_head_pack_int8);
 }
