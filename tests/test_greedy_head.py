@@ -118,6 +118,7 @@ def test_the_copy_holds_every_row_and_a_bound_on_its_norm(cpu_variant: str, grou
     assert bool((norms[:vocab] <= exact * (1 + 2e-6)).all())
 
 
+@each_pass
 @pytest.mark.parametrize("rows", ROWS)
 def test_ties_go_to_the_first_row_as_the_full_head_breaks_them(cpu_variant: str,
                                                                rows: str) -> None:
