@@ -15,7 +15,7 @@ from ringserve.engine.loading import parse_dtype
 from ringserve.engine.loading.checkpoint import stored_tensors
 from ringserve.engine.loading.find import gguf_weights_file
 from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES, repacked_bytes
-from ringserve.engine.loading.gguf_file import GgufFile
+from ringserve.engine.loading.gguf_file import GgufFile, open_gguf
 from ringserve.engine.loading.quantize import WeightBytes, pick_int16_activations
 from ringserve.engine.memory_plan import (
     GiB,
@@ -226,7 +226,7 @@ def check_fits(config: EngineConfig, path: Path, *, dtype: torch.dtype, device: 
     act_bytes = torch.empty((), dtype=dtype).element_size()
     source = gguf_weights_file(path)
     stored, held = (stored_tensors(path), 0) if source is None else _gguf_stored(
-        GgufFile(source), quantization=quantization, native=native, act_bytes=act_bytes)
+        open_gguf(source), quantization=quantization, native=native, act_bytes=act_bytes)
     estimate = estimate_weights(
         stored, act_bytes=act_bytes, keeps_bf16=native and dtype == torch.float32,
         quantization=quantization, gguf_blocks=held, mxfp4_native=native)

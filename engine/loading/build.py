@@ -24,7 +24,7 @@ from ringserve.engine.loading.checkpoint import (
 )
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.find import gguf_weights_file
-from ringserve.engine.loading.gguf_file import GgufFile
+from ringserve.engine.loading.gguf_file import open_gguf
 from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear, saved_parameters
 from ringserve.engine.loading.mxfp4 import merge_mxfp4
 from ringserve.engine.loading.quantize import quantize_model
@@ -81,7 +81,7 @@ def load_model(
     with torch.device("meta"), _no_init():
         model = CausalLM(cfg, model_layer_groups(cfg)).to(dtype)
     source = gguf_weights_file(path)  # a GGUF's metadata folder: weights from the file
-    gguf = GgufWeights(GgufFile(source), hf_config, saved_parameters(Path(path))) \
+    gguf = GgufWeights(open_gguf(source), hf_config, saved_parameters(Path(path))) \
         if source is not None else None
     stored = gguf.stored() if gguf is not None else stored_tensors(path)
     # MXFP4 experts: served as stored on a CPU (never widened), widened once elsewhere

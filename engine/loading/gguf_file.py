@@ -23,6 +23,7 @@ from the data section, which starts at the next multiple of ``general.alignment`
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -37,7 +38,7 @@ import numpy.typing as npt
 
 from ringserve.engine.loading.errors import ModelLoadError
 
-__all__ = ["GgufField", "GgufFile", "GgufTensor"]
+__all__ = ["GgufField", "GgufFile", "GgufTensor", "open_gguf"]
 
 _SCALARS: dict[int, tuple[str, int]] = {  # GGUF value type -> (struct code, size)
     0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
@@ -209,3 +210,16 @@ class GgufFile:
 
     def __iter__(self) -> Iterator[GgufTensor]:
         return iter(self.tensors)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GgufFile:
+    """The parsed header of ``path``, parsed once while the file stays the same (its size
+    and modification time): a start asks for it three times (the method, the plan's
+    estimate, the load). A `GgufFile` holds no open file, so sharing one is safe."""
+    stat = Path(path).stat()
+    return _cached(os.fspath(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, _size: int, _mtime_ns: int) -> GgufFile:
+    return GgufFile(path)

@@ -35,7 +35,7 @@ from torch import nn
 from ringserve.engine.errors import InvalidRequestError
 from ringserve.engine.loading.find import gguf_weights_file
 from ringserve.engine.loading.gguf_blocks import SUPPORTED_TYPES
-from ringserve.engine.loading.gguf_file import GgufFile
+from ringserve.engine.loading.gguf_file import open_gguf
 from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear
 from ringserve.engine.models.layers import Attention, RMSNorm
 from ringserve.engine.models.moe import MoE
@@ -95,7 +95,7 @@ def has_gguf_blocks(folder: Path) -> bool:
     served as stored (from the file's header alone)."""
     source = gguf_weights_file(folder)
     return source is not None and any(t.tensor_type in SUPPORTED_TYPES
-                                      for t in GgufFile(source).tensors)
+                                      for t in open_gguf(source).tensors)
 
 
 INT16_ACTIVATIONS = ("auto", "on", "off")
