@@ -43,7 +43,6 @@ from ringserve.engine.loading.gguf_blocks import (
     layout_bits,
     llama_rope_rows,
     read_linears,
-    repacked_bytes,
 )
 from ringserve.engine.loading.gguf_file import GgufFile, GgufTensor
 from ringserve.kernels.quant import INT4_CHUNK, QuantizedWeight
@@ -208,16 +207,6 @@ class GgufWeights:
         a folder's: kinds are "F32" / "F16" / "BF16", "U8" for an MXFP4 pair, or a GGML
         block type's name ("Q4_K", ...)."""
         return {name: (source.kind, source.shape) for name, source in self.sources.items()}
-
-    def blocks_bytes(self, names: Collection[str]) -> int:
-        """What `blocks_for` of ``names`` will hold (tied names once)."""
-        seen: dict[str, int] = {}
-        for name in names:
-            source = self.sources[name]
-            if source.tensor is not None:
-                seen[source.tensor.name] = repacked_bytes(source.tensor.tensor_type,
-                                                          source.tensor.n_elements)
-        return sum(seen.values())
 
     def servable_blocks(self, names: Collection[str]) -> set[str]:
         """Of ``names`` (2-D weights of linears or the embedding), those whose blocks have a
