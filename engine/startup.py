@@ -167,7 +167,7 @@ def describe(spec: KVCacheSpec, num_blocks: int, memory: int) -> str:
 
 def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """The CPU class and the path each kind of layer took, for the start-up log."""
-    from ringserve.engine.models.packed_linear import CompactLinear, PackedLinear
+    from ringserve.engine.models.packed_linear import CompactLinear, Mxfp4Linear, PackedLinear
     from ringserve.engine.models.quant_linear import INT8_TILE_ROWS, QuantLinear
     from ringserve.kernels import cpu_build
 
@@ -179,6 +179,8 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
             name = "oneDNN packed bf16" + (" (+ dpbf16 GEMV)" if module.small else "")
         elif isinstance(module, CompactLinear):
             name = "compact bf16, float32 FMA"
+        elif isinstance(module, Mxfp4Linear):
+            name = "mxfp4 " + ("int16-activation dot" if module.int16_acts else "float32 FMA")
         elif isinstance(module, QuantLinear):
             if not module.kernel:
                 name = f"int{module.bits} widened every call (no kernel)"

@@ -89,3 +89,25 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, exponents: torch.Tensor,
     out: torch.Tensor = ops(variant).mxfp4_linear(x, blocks, exponents, bias, COMPACT_TILE_ROWS,
                                                   split)
     return out
+
+
+def int16_act_mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, exponents: torch.Tensor,
+                           bias: torch.Tensor | None, variant: str | None = None,
+                           split: bool = False) -> torch.Tensor:
+    """`mxfp4_linear` for a model that runs with int16 activations (CPUs without bf16
+    arithmetic, `engine.loading.quantize.pick_int16_activations`): x rounded to int16 blocks
+    of 32 values (`kernels.quant.quantize_activations`), each weight value twice its E2M1
+    value as an integer, integer dot products scaled by half the block's power of two
+    (csrc/int16_act_gemm.cpp): the rounded x times the dequantized weight, up to float32
+    sums of exact int32 block sums.
+
+    Args:
+        x: [m, k] float32 (k a multiple of 32).
+        blocks, exponents, bias, split: as `mxfp4_linear`.
+        variant: the kernel variant (`kernels.cpu_isa.VARIANTS`); default this CPU's.
+
+    Returns:
+        [m, n] float32.
+    """
+    out: torch.Tensor = ops(variant).int16_act_mxfp4_linear(x, blocks, exponents, bias, split)
+    return out

@@ -168,6 +168,32 @@ def test_q8_0_blocks_stay_within_the_accuracy_bounds(family: str,
     assert within_bounds(a), a
 
 
+def _mxfp4_gguf(root: pathlib.Path, outtype: str,
+                overrides: dict[str, Any] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """gpt-oss as released (experts in MXFP4 blocks and scales, `quantize_mxfp4`) converted
+    by llama.cpp with ``outtype`` for the rest: (the folder holding the same weights with
+    the experts dequantised by transformers' own `convert_moe_packed_tensors`, the folder
+    `resolve_model` makes of the GGUF)."""
+    folder = make_checkpoint("gpt_oss", root,
+                             overrides={**CASES["gpt_oss"][1], **(overrides or {})})
+    (file,) = folder.glob("*.safetensors")
+    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)))
+    safetensors.torch.save_file(plain, str(file), metadata={"format": "pt"})  # the reference
+    mxfp4 = root / "mxfp4"
+    shutil.copytree(folder, mxfp4)
+    safetensors.torch.save_file(packed, str(mxfp4 / file.name), metadata={"format": "pt"})
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    gguf_path = llamacpp_convert.convert(mxfp4, root / f"mxfp4-{outtype}.gguf", outtype)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors
+             if "_exps.weight" in t.name}
+    assert kinds == {"MXFP4"}
+    converted = resolve_model(gguf_path, cache_dir=root / "cache").path
+    assert not list(converted.glob("**/*.safetensors"))  # the weights stay in the file
+    return folder, converted
+
+
 def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
         tmp_path: pathlib.Path) -> None:
     """gpt-oss as released: experts in MXFP4. Our tiny one with its experts quantised to MXFP4
@@ -175,22 +201,7 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     MXFP4 tensors), read back here: they are served from the file's MXFP4 blocks as stored
     (their nibbles reordered, never widened), and the logits equal transformers' on the same weights
     dequantised by its own `convert_moe_packed_tensors`."""
-    folder = make_checkpoint("gpt_oss", tmp_path, overrides=CASES["gpt_oss"][1])
-    (file,) = folder.glob("*.safetensors")
-    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)))
-    safetensors.torch.save_file(plain, str(file), metadata={"format": "pt"})  # the reference
-    mxfp4 = tmp_path / "mxfp4"
-    shutil.copytree(folder, mxfp4)
-    safetensors.torch.save_file(packed, str(mxfp4 / file.name), metadata={"format": "pt"})
-    config = json.loads((mxfp4 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (mxfp4 / "config.json").write_text(json.dumps(config))
-    gguf_path = llamacpp_convert.convert(mxfp4, tmp_path / "mxfp4.gguf", "f32")
-    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors
-             if "_exps.weight" in t.name}
-    assert kinds == {"MXFP4"}
-    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
-    assert not list(converted.glob("**/*.safetensors"))  # the weights stay in the file
+    folder, converted = _mxfp4_gguf(tmp_path, "f32")
     ids = random_tokens(6 * W, seed=4)
     with torch.no_grad():
         expected = hf_reference(folder)(torch.tensor([ids])).logits[0]
@@ -200,3 +211,26 @@ def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(
     assert experts and all(isinstance(lin, Mxfp4Linear) for lin in experts)
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt_oss_mxfp4_experts_with_int16_activations(tmp_path: pathlib.Path) -> None:
+    """The file llama.cpp makes of gpt-oss as released with ``--outtype q8_0`` (the one its
+    users serve: Q8_0 attention, embedding and head, MXFP4 experts), with float32
+    activations rounded to int16 blocks (what an AVX2 or AVX-512-without-BF16 CPU serves by
+    default): the experts multiply their stored codes by integer dot products too, and the
+    logits stay within the accuracy bounds of every quantized variant against the float32
+    model (transformers' dequantisation of the same experts; gpt-oss at its real weight
+    scale, as in tests/test_accuracy.py)."""
+    folder, converted = _mxfp4_gguf(tmp_path, "q8_0", OVERRIDES.get("gpt_oss"))
+    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
+    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
+    ref = variant_logits(folder, fp32, ids, CHUNK, B)[:-1]
+    int16 = Variant("gguf", {"dtype": "float32", "quantization": "gguf",
+                             "int16_activations": "on", "kv_cache_memory": "16MiB"})
+    model, kv_dtype = served_model(converted, int16, len(ids) + 1, B)
+    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
+               for lin in [*m.gate_up, *m.down]]
+    assert experts and all(isinstance(lin, Mxfp4Linear) and lin.int16_acts for lin in experts)
+    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
+    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
+    assert within_bounds(a), a

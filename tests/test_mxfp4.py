@@ -22,6 +22,7 @@ from ringserve.engine.loading.mxfp4 import (
 from ringserve.engine.models.moe import ExpertLinears, ExpertWeights
 from ringserve.engine.models.packed_linear import Mxfp4Linear
 from ringserve.kernels import cpu_gemm
+from ringserve.kernels.quant import quantize_activations
 from tests.model_harness import RingHarness, load_ours
 from tests.tiny_models import B, W, hf_reference, make_checkpoint, random_tokens
 
@@ -125,6 +126,40 @@ def test_mxfp4_linear_matches_float64(cpu_variant: str, rows: int, dtype: torch.
     terms = x.double().abs() @ reference.double().abs().T + bias.double().abs()
     bound = 192 * 2**-24 * terms + (2**-8 * expected.abs() if dtype == torch.bfloat16 else 0)
     assert bool(((got.double() - expected).abs() <= bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["hf-order", "gguf-order"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40])
+def test_int16_act_mxfp4_linear_matches_float64(cpu_variant: str, rows: int,
+                                                split: bool) -> None:
+    """The int16-activation path (integer dot products over the stored codes, both loops:
+    weight rows side by side for few x rows, packed panels from 32), against float64: x
+    rounded to its int16 blocks (`quantize_activations`, the rounding the kernel states)
+    times the weight as transformers' convert_moe_packed_tensors dequantises it. Each
+    block's int32 sum is exact, so the only error is float32's in summing the blocks."""
+    torch.manual_seed(100 + rows)
+    weight = torch.randn(3, 67, 192) * torch.rand(3, 67, 1) * 4
+    blocks, scales = quantize_mxfp4(weight)
+    scales[0, 0, 0], scales[0, 1, 1], scales[0, 2, 5] = 127 - 30, 127 + 20, 127 - 100
+    x = torch.randn(rows, 192) * torch.rand(rows, 1) * 3
+    x[0, 32:64] = 0.0  # a block of zeros: its scale is 0
+    bias = torch.randn(67)
+    reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].T.double()
+    stored = gguf_order(blocks[0]) if split else blocks[0]
+    got = cpu_gemm.int16_act_mxfp4_linear(x, stored.contiguous(), scales[0], bias,
+                                          variant=cpu_variant, split=split)
+    q, d = quantize_activations(x)
+    rounded = (q.double().view(rows, 6, 32) * d.double().unsqueeze(-1)).view(rows, 192)
+    expected = rounded @ reference.T + bias.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, 67)
+    # six block sums, each exact in int32 then rounded to float32 a few times
+    terms = (rounded.abs() @ reference.abs().T) + bias.double().abs()
+    assert bool(((got.double() - expected).abs() <= 16 * 2**-24 * terms + 1e-6).all())
+    # and the rounding is what it claims: within int16's step of the float32 product
+    exact = x.double() @ reference.T + bias.double()
+    step = (x.double().abs().view(rows, 6, 32).amax(-1) / 32767).repeat_interleave(32, -1)
+    assert bool(((got.double() - exact).abs() <= (step / 2) @ reference.abs().T
+                 + 16 * 2**-24 * terms + 1e-6).all())
 
 
 def test_mxfp4_linear_holds_the_stored_bytes() -> None:

@@ -39,7 +39,7 @@ from ringserve.engine.loading.gguf_file import open_gguf
 from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear
 from ringserve.engine.models.layers import Attention, RMSNorm
 from ringserve.engine.models.moe import MoE
-from ringserve.engine.models.packed_linear import PackedLinear
+from ringserve.engine.models.packed_linear import Mxfp4Linear, PackedLinear
 from ringserve.engine.models.quant_fuse import fuse_quantized
 from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
@@ -175,6 +175,8 @@ def quantize_model(model: nn.Module, method: str, gguf: GgufWeights | None, *,
         if isinstance(module, QuantLinear):
             module.int16_acts = (int16_activations and module.kernel
                                  and cpu_quant.int16_act_supports(module.qw))  # fmt: skip
+        elif isinstance(module, Mxfp4Linear):
+            module.int16_acts = int16_activations
         elif isinstance(module, (RMSNorm, Attention)):
             # NOTE: rounded activations already part from float32 transformers at the 1e-5
             # level, so the norms and rotary may sum in their compiled order too (one pass

@@ -141,7 +141,11 @@ class MoE(nn.Module):
             tokens = taken // self.top_k
             h = self.linears.gate_up[expert](flat[tokens])
             y = self.linears.down[expert](self.activate(h))
-            out.index_add_(0, tokens, (y * weights[taken, None]).to(out.dtype))
+            # NOTE: index_put_ with accumulate (a token is at most once in `tokens`): the
+            # same sums as index_add_, which took 65-190 us a call for one 2880-wide row
+            # against 11 (~3 ms of a 4-layer gpt-oss decode step, AVX2 EPYC, 2026-12-07).
+            out.index_put_((tokens,), (y * weights[taken, None]).to(out.dtype),
+                           accumulate=True)
         return out.view(x.shape)
 
 

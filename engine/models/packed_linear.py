@@ -140,12 +140,17 @@ class Mxfp4Linear(nn.Module):
         bias: [out] or None.
         split: the blocks' nibbles in GGUF's order (value i in byte i's low nibble, 16 + i
             in its high one), else transformers' (2i and 2i + 1 in byte i's).
+
+    ``int16_acts`` (set at load with the model's quantized linears,
+    `engine.loading.quantize.quantize_model`): float32 x rounded to int16 blocks and
+    multiplied by integer dot products (`kernels.cpu_gemm.int16_act_mxfp4_linear`).
     """
 
     def __init__(self, blocks: torch.Tensor, exponents: torch.Tensor,
                  bias: torch.Tensor | None = None, split: bool = False) -> None:
         super().__init__()
         self.split = split
+        self.int16_acts = False
         self.out_features, groups = exponents.shape
         self.in_features = groups * 32
         if blocks.shape != (self.out_features, groups, 16) or blocks.dtype != torch.uint8 \
@@ -161,13 +166,19 @@ class Mxfp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = cpu_gemm.mxfp4_linear(flat, self.blocks, self.exponents, self.bias,
-                                    split=self.split)
+        if self.int16_acts and flat.dtype == torch.float32:
+            out = cpu_gemm.int16_act_mxfp4_linear(flat, self.blocks, self.exponents, self.bias,
+                                                  split=self.split)
+        else:
+            out = cpu_gemm.mxfp4_linear(flat, self.blocks, self.exponents, self.bias,
+                                        split=self.split)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         order = ", GGUF nibble order" if self.split else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4{order}"
+        acts = ", int16 activations" if self.int16_acts else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"mxfp4{order}{acts}")
 
 
 def _concat(layers: list[nn.Linear]) -> nn.Linear:

@@ -27,6 +27,7 @@
 #include "ops.h"
 #include "thread_pool.h"
 #include "quant_layout.h"
+#include "mxfp4.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -87,26 +88,15 @@ struct Weight {
 // NOTE: GCC turns a vector conversion from 8-bit or 16-bit lanes into scalar code (one
 // cvtsi2ss a value: ~5x slower, measured); the x86 variants widen with the instructions
 // made for it, the portable one goes through 32-bit lanes.
-// MXFP4: the 32 values of one block from its 16 bytes at p (value 2i in byte i's low
-// nibble, 2i + 1 in its high one) into out[0 .. 32 / VW), each twice its E2M1 value (an
-// integer in -12..12: a byte table lookup, then one conversion; the block's scale is
-// halved to match, `e8m0_half`).
-alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// MXFP4: the 32 values of one block from its 16 bytes (mxfp4.h) into out[0 .. 32 / VW),
+// each twice its E2M1 value (one byte table lookup, then one conversion; the block's scale
+// is halved to match, `e8m0_half`), in order.
+using ringserve::e8m0_half;
 
-// The 32 values of one block, in order: with `split` (GGUF's order) value i is byte i's low
-// nibble and value 16 + i its high one; else (transformers') values 2i and 2i + 1 are byte
-// i's low and high nibble.
 inline void decode_fp4(const uint8_t* p, bool split, vf* out) {
 #if defined(__AVX2__) || defined(__AVX512F__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
-  const __m128i first = split ? lo : _mm_unpacklo_epi8(lo, hi);
-  const __m128i second = split ? hi : _mm_unpackhi_epi8(lo, hi);
-  const __m128i v0 = _mm_shuffle_epi8(table, first);   // values 0-15
-  const __m128i v1 = _mm_shuffle_epi8(table, second);  // values 16-31
+  __m128i v0, v1;  // values 0-15, 16-31
+  ringserve::fp4_block_int8(p, split, v0, v1);
 #if defined(__AVX512F__)
   out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0));
   out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v1));
@@ -118,21 +108,9 @@ inline void decode_fp4(const uint8_t* p, bool split, vf* out) {
 #endif
 #else
   for (int u = 0; u < 32 / VW; ++u)
-    for (int i = 0; i < VW; ++i) {
-      const int at = u * VW + i;
-      const int code = split ? p[at & 15] >> (4 * (at >> 4)) : p[at / 2] >> (4 * (at & 1));
-      out[u][i] = kE2M1x2[code & 0xF];
-    }
+    for (int i = 0; i < VW; ++i)
+      out[u][i] = ringserve::kE2M1x2[ringserve::fp4_code(p, split, u * VW + i)];
 #endif
-}
-
-// Half of an E8M0 exponent's 2^(e - 127), exactly (a float32 for every e; 255 is NaN).
-inline float e8m0_half(uint8_t e) {
-  const uint32_t bits = e == 255 ? 0x7FC00000u : e >= 2 ? static_cast<uint32_t>(e - 1) << 23
-                                                        : 0x00200000u << e;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 template <int KIND>

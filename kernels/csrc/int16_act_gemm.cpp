@@ -24,6 +24,12 @@
 // kernels/quant.py's `int16_act_matmul_reference` computes the same in float64.
 //
 // Weight groups: 16 (GGUF's Q6_K sub-blocks; int8 only) or a multiple of 32.
+// MXFP4 weights (`int16_act_mxfp4_linear`, mxfp4.h) go the int8 way: each block's 32 codes
+// decoded by a byte shuffle to twice their E2M1 value (|w| <= 12), its scale half the
+// block's power of two: y = sum_b d_b * sum_{j in b} (e8m0_half(e_b) * w_j) * q_j. For
+// gpt-oss's experts on AVX2 that is ~3x fewer instructions a weight than the float32 FMA
+// path (compact_gemm.cpp), which ran its experts compute-bound at a third of the
+// machine's read rate (docs/benchmarks.md, "A GGUF served from its own bytes").
 // Builds without AVX2 (the portable variant) compute the same sums in plain C++, slowly:
 // `int16_act_fast()` says which, and the engine uses this path only where it is fast.
 
@@ -38,6 +44,7 @@
 #include "thread_pool.h"
 #include "quant_layout.h"
 #include "int16_acts.h"
+#include "mxfp4.h"
 
 #include <algorithm>
 #include <cmath>
@@ -72,7 +79,11 @@ struct Weight {
   int64_t sper;  // a row's scales as `widen_scales` lays them out: groups (16) or blocks
   const c10::Half* scales;  // [n, groups]
   const c10::Half* mins;    // [n, groups] (4-bit) or null
+  const uint8_t* exponents;  // [n, groups] (MXFP4: E8M0; `scales` is then null)
+  bool split;  // MXFP4 nibble order: GGUF's (value i low, 16 + i high) or transformers'
 };
+
+constexpr int kMxfp4 = 1;  // BITS of an MXFP4 weight (the int8 loops, codes decoded)
 
 // A weight row's float16 scales (or mins) as float32, zero-padded to `pad` values.
 inline void widen_halves(const c10::Half* h, int64_t count, int64_t pad, float* out) {
@@ -91,6 +102,11 @@ inline void widen_halves(const c10::Half* h, int64_t count, int64_t pad, float* 
 // NOTE: the loops had divided the value index by the run-time group, one 64-bit idiv per
 // row and block: the int8 head at one x row ran ~1.3x slower from cache for it.
 inline void widen_scales(const Weight& w, int64_t row, float* out) {
+  if (w.exponents != nullptr) {  // MXFP4: a scale a block of 32
+    const uint8_t* e = w.exponents + row * w.groups;
+    for (int64_t b = 0; b < w.groups; ++b) out[b] = ringserve::e8m0_half(e[b]);
+    return;
+  }
   const c10::Half* h = w.scales + row * w.groups;
   if (w.group <= kBlock) {
     widen_halves(h, w.groups, w.groups, out);
@@ -189,7 +205,10 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   const int64_t ahead = std::min(r + kPasses * R, n);
   const int64_t ahead_rows = std::min<int64_t>(R, n - ahead);
   fetch(reinterpret_cast<const char*>(w.data + ahead * w.row_bytes), ahead_rows * w.row_bytes);
-  fetch(reinterpret_cast<const char*>(w.scales + ahead * w.groups), ahead_rows * w.groups * 2);
+  if (w.exponents != nullptr)
+    fetch(reinterpret_cast<const char*>(w.exponents + ahead * w.groups), ahead_rows * w.groups);
+  else
+    fetch(reinterpret_cast<const char*>(w.scales + ahead * w.groups), ahead_rows * w.groups * 2);
   const uint8_t* rows[R];
   for (int i = 0; i < R; ++i) {
     rows[i] = w.data + (r + i) * w.row_bytes;
@@ -222,6 +241,36 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
       }
       mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
       mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
+    }
+  } else if constexpr (BITS == kMxfp4) {
+    // two blocks a pass (one 256-bit decode for both: 3-15% faster than one at a time at
+    // 1 and 2 x rows, gpt-oss's down_proj from memory, AVX2 EPYC), then an odd last one
+    __m256i lo1[R], hi1[R];
+    __m256 s1[R];
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      for (int i = 0; i < R; ++i) {
+        __m256i v[4];
+        ringserve::fp4_pair_int16(rows[i] + b * 16, w.split, v);
+        lo[i] = v[0];
+        hi[i] = v[1];
+        lo1[i] = v[2];
+        hi1[i] = v[3];
+        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
+        s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
+      }
+      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
+      mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
+    }
+    for (; b < blocks; ++b) {
+      for (int i = 0; i < R; ++i) {
+        __m128i v0, v1;
+        ringserve::fp4_block_int8(rows[i] + b * 16, w.split, v0, v1);
+        lo[i] = _mm256_cvtepi8_epi16(v0);
+        hi[i] = _mm256_cvtepi8_epi16(v1);
+        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
+      }
+      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
     }
   } else {
     // One loop for each group size, so that neither tests the group in its body.
@@ -300,7 +349,12 @@ inline void pack_panel(const Weight& w, int64_t n0, int64_t n, int64_t chunk, in
     // (k is a multiple of 64 for 4-bit weights, of 32 for int8)
     constexpr int64_t kStep = BITS == 4 ? 64 : 32;
     for (int64_t j = 0; j < k; j += kStep) {
-      if constexpr (BITS == 4) {
+      if constexpr (BITS == kMxfp4) {
+        __m128i v0, v1;
+        ringserve::fp4_block_int8(row + j / 2, w.split, v0, v1);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wide), _mm256_cvtepi8_epi16(v0));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wide + 16), _mm256_cvtepi8_epi16(v1));
+      } else if constexpr (BITS == 4) {
         __m256i parts[4];
         widen_nibbles(row + j / 2, parts);
         for (int t = 0; t < 4; ++t)
@@ -312,6 +366,13 @@ inline void pack_panel(const Weight& w, int64_t n0, int64_t n, int64_t chunk, in
       }
       const int32_t* pairs = reinterpret_cast<const int32_t*>(wide);
       for (int64_t t = 0; t < kStep / 2; ++t) dst[(j / 2 + t) * kPanel] = pairs[t];
+    }
+    if constexpr (BITS == kMxfp4) {  // (chunk = group = 32)
+      for (int64_t c = 0; c < chunks; ++c) {
+        scale[c * kPanel + i] = ringserve::e8m0_half(w.exponents[r * w.groups + c]);
+        mins[c * kPanel + i] = 0.f;
+      }
+      continue;
     }
     const c10::Half* h = w.scales + r * w.groups;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -418,8 +479,9 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
           const int64_t g = j0 / w.group, j1 = std::min((b + 1) * kBlock, (g + 1) * w.group);
           int32_t dot = 0;
           for (int64_t j = j0; j < j1; ++j) {
-            const int32_t wq = BITS == 4
-                ? (row[(j >> 6) * 32 + (j & 31)] >> ((j & 32) >> 3)) & 0xF
+            const int32_t wq = BITS == kMxfp4
+                ? ringserve::kE2M1x2[ringserve::fp4_code(row + (j >> 5) * 16, w.split, j & 31)]
+                : BITS == 4 ? (row[(j >> 6) * 32 + (j & 31)] >> ((j & 32) >> 3)) & 0xF
                 : static_cast<int8_t>(row[j]);
             dot += wq * xq[m * k + j];
           }
@@ -516,6 +578,46 @@ at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
+// x: [m, k] float32; blocks: uint8 [n, k / 32, 16] (two E2M1 codes a byte, in GGUF's
+// order with `split`, else transformers'); exponents: uint8 [n, k / 32] (E8M0); bias: [n]
+// or None. Returns [m, n] float32.
+at::Tensor int16_act_mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
+                                  const at::Tensor& exponents,
+                                  const std::optional<at::Tensor>& bias, bool split) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "int16_act_mxfp4_linear: x must be float32 [m, k]");
+  const int64_t k = x.size(1), n = blocks.size(0), rows = x.size(0);
+  TORCH_CHECK(k % kBlock == 0, "int16_act_mxfp4_linear: k must be a multiple of 32");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) == k / kBlock && blocks.size(2) == 16,
+              "int16_act_mxfp4_linear: blocks must be uint8 [n, k / 32, 16], contiguous");
+  TORCH_CHECK(exponents.dim() == 2 && exponents.scalar_type() == at::kByte &&
+                  exponents.is_contiguous() && exponents.size(0) == n &&
+                  exponents.size(1) == k / kBlock,
+              "int16_act_mxfp4_linear: exponents must be uint8 [n, k / 32], contiguous");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "int16_act_mxfp4_linear: bias must be [n]");
+  const at::Tensor xf = x.contiguous();
+  const std::optional<at::Tensor> bf =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
+                       : std::nullopt;
+  auto out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const Acts a = quantize_acts(xf.data_ptr<float>(), rows, k, kBlock, false);
+  Weight w{};
+  w.data = blocks.data_ptr<uint8_t>();
+  w.row_bytes = k / 2;
+  w.k = k;
+  w.group = kBlock;
+  w.groups = k / kBlock;
+  w.sper = w.groups;
+  w.gpad = a.gpad;
+  w.exponents = exponents.data_ptr<uint8_t>();
+  w.split = split;
+  run<kMxfp4>(w, a, rows, n, bf.has_value() ? bf->data_ptr<float>() : nullptr,
+              out.data_ptr<float>());
+  return out;
+}
+
 // Whether this build multiplies with SIMD integer dot products (AVX2 and up), as opposed
 // to the plain C++ sums of the portable build.
 bool int16_act_fast() {
@@ -531,7 +633,12 @@ bool int16_act_fast() {
 RINGSERVE_FRAGMENT(RINGSERVE_NS, m) {
   m.def("int16_act_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, "
         "int group, Tensor? bias) -> Tensor");
+  m.def("int16_act_mxfp4_linear(Tensor x, Tensor blocks, Tensor exponents, Tensor? bias, "
+        "bool split) -> Tensor");
   m.def("int16_act_fast() -> bool", &int16_act_fast);
 }
 
-RINGSERVE_IMPL(RINGSERVE_NS, m) { m.impl("int16_act_linear", &int16_act_linear); }
+RINGSERVE_IMPL(RINGSERVE_NS, m) {
+  m.impl("int16_act_linear", &int16_act_linear);
+  m.impl("int16_act_mxfp4_linear", &int16_act_mxfp4_linear);
+}
