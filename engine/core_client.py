@@ -36,18 +36,47 @@ class EngineStartError(RuntimeError):
     """The engine core could not start; the message is the core's own."""
 
 
+class _Tokenizer:
+    """The served folder's tokenizer, read in a thread while the core loads the weights
+    (1.4-1.8 s for gpt-oss's 200k-token vocabulary, which the server had spent after the
+    core was ready)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._value: Any = None
+
+    def start(self, path: str) -> None:
+        from ringserve.engine.loading import load_tokenizer
+
+        def read() -> None:
+            # NOTE: an error here is left for `CoreClient.__init__` to raise again, in
+            # order (a folder the core resolved but whose tokenizer does not read)
+            with contextlib.suppress(Exception):
+                self._value = load_tokenizer(path)
+
+        self._thread = threading.Thread(target=read, name="ringserve-tokenizer", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        """The tokenizer, or None where none was read (the client then reads it)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._value
+
+
 class CoreClient(EngineFront):
     """A front whose engine loop runs in a child process (use `launch`)."""
 
     def __init__(self, process: Any, commands: Connection, outputs: Connection,
                  info: CoreInfo, *, max_waiting: int | None = None,
-                 on_delta: Callable[[StreamDelta], None] | None = None) -> None:
+                 on_delta: Callable[[StreamDelta], None] | None = None,
+                 tokenizer: Any = None) -> None:
         from ringserve.engine.loading import load_tokenizer
 
         super().__init__(max_waiting=max_waiting, on_delta=on_delta)
         self.process, self._commands, self._outputs = process, commands, outputs
         self.model_name = info.model_name
-        self.tokenizer = load_tokenizer(info.model_path)
+        self.tokenizer = load_tokenizer(info.model_path) if tokenizer is None else tokenizer
         self.structured = StructuredOutputs(self.tokenizer, info.limits.vocab_size,
                                             info.eos_token_ids)
         self.checker = RequestChecker(self.tokenizer, info.limits, self.structured)
@@ -75,8 +104,12 @@ class CoreClient(EngineFront):
         process.start()
         cmd_read.close()
         out_write.close()  # ours closed: the pipe ends when the core's end does
+        tokenizer = _Tokenizer()
         try:
             message = out_read.recv()
+            if message[0] == "resolved":  # the folder is known: its tokenizer loads here
+                tokenizer.start(message[1])  # while the core loads the weights
+                message = out_read.recv()
         except (EOFError, OSError):
             process.join(5)
             raise EngineStartError(f"the engine core process exited with code "
@@ -85,7 +118,8 @@ class CoreClient(EngineFront):
             process.join(30)
             raise EngineStartError(message[1])
         logger.info("engine core process %d ready", process.pid)
-        return cls(process, cmd_write, out_read, message[1], max_waiting=max_waiting)
+        return cls(process, cmd_write, out_read, message[1], max_waiting=max_waiting,
+                   tokenizer=tokenizer.result())
 
     @property
     def pid(self) -> int:

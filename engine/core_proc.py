@@ -2,7 +2,9 @@
 CPU (docs/design.md §11).
 
 `core_main` is the process's entry (`CoreClient` starts it with multiprocessing's spawn).
-It builds the `LLMEngine`, says ``("ready", CoreInfo)`` (or ``("failed", why)``) and runs
+It builds the `LLMEngine` (saying ``("resolved", folder)`` once the folder served is known,
+before the weights load, so the API process reads the tokenizer meanwhile), says
+``("ready", CoreInfo)`` (or ``("failed", why)``) and runs
 the `EngineLoop` in its main thread; a reader thread takes the API process's commands off
 one pipe, and each turn of the loop sends what it made down the other as one message: a
 list of ``("stats", dict)``, ``("delta", StreamDelta)`` and ``("error", request_id,
@@ -118,7 +120,7 @@ def core_main(config: EngineConfig, commands: Connection, outputs: Connection,
     from ringserve.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, on_resolved=lambda path: outputs.send(("resolved", str(path))))
     except BaseException as err:
         logger.exception("the engine failed to start")
         outputs.send(("failed", f"{type(err).__name__}: {err}"))

@@ -13,6 +13,8 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +80,10 @@ logger = logging.getLogger("ringserve.engine")
 class LLMEngine:
     """Owns the model, the KV pool, the scheduler; not thread-safe (see `AsyncLLM`)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 on_resolved: Callable[[Path], None] | None = None) -> None:
+        """``on_resolved``: called with the folder served as soon as it is known, before the
+        weights load (the API process reads its tokenizer meanwhile: `CoreClient.launch`)."""
         self.config = config
         self.owner_thread: int | None = None  # the thread an AsyncLLM loop steps it on
         self.device = pick_device(config.device)
@@ -91,6 +96,8 @@ class LLMEngine:
         resolved = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_name = resolved.name
         self.model_path = resolved.path  # the folder served (a GGUF file's conversion)
+        if on_resolved is not None:
+            on_resolved(resolved.path)
         hf_config = load_hf_config(resolved.path)
         self.dtype, why = pick_dtype(config.dtype, self.device, hf_config)
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
