@@ -26,6 +26,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core_proc import CoreInfo, WireError, core_main
 from ringserve.engine.engine_loop import StreamDelta
 from ringserve.engine.errors import EngineDeadError
+from ringserve.engine.loading import TokenizerLoad
 from ringserve.engine.request_check import RequestChecker
 from ringserve.engine.structured_output import StructuredOutputs
 
@@ -34,34 +35,6 @@ logger = logging.getLogger("ringserve.engine")
 
 class EngineStartError(RuntimeError):
     """The engine core could not start; the message is the core's own."""
-
-
-class _Tokenizer:
-    """The served folder's tokenizer, read in a thread while the core loads the weights
-    (1.4-1.8 s for gpt-oss's 200k-token vocabulary, which the server had spent after the
-    core was ready)."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._value: Any = None
-
-    def start(self, path: str) -> None:
-        from ringserve.engine.loading import load_tokenizer
-
-        def read() -> None:
-            # NOTE: an error here is left for `CoreClient.__init__` to raise again, in
-            # order (a folder the core resolved but whose tokenizer does not read)
-            with contextlib.suppress(Exception):
-                self._value = load_tokenizer(path)
-
-        self._thread = threading.Thread(target=read, name="ringserve-tokenizer", daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        """The tokenizer, or None where none was read (the client then reads it)."""
-        if self._thread is not None:
-            self._thread.join()
-        return self._value
 
 
 class CoreClient(EngineFront):
@@ -104,11 +77,11 @@ class CoreClient(EngineFront):
         process.start()
         cmd_read.close()
         out_write.close()  # ours closed: the pipe ends when the core's end does
-        tokenizer = _Tokenizer()
+        tokenizer: TokenizerLoad | None = None
         try:
             message = out_read.recv()
             if message[0] == "resolved":  # the folder is known: its tokenizer loads here
-                tokenizer.start(message[1])  # while the core loads the weights
+                tokenizer = TokenizerLoad(message[1])  # while the core loads the weights
                 message = out_read.recv()
         except (EOFError, OSError):
             process.join(5)
@@ -119,7 +92,7 @@ class CoreClient(EngineFront):
             raise EngineStartError(message[1])
         logger.info("engine core process %d ready", process.pid)
         return cls(process, cmd_write, out_read, message[1], max_waiting=max_waiting,
-                   tokenizer=tokenizer.result())
+                   tokenizer=None if tokenizer is None else tokenizer.result())
 
     @property
     def pid(self) -> int:

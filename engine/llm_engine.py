@@ -32,7 +32,7 @@ from ringserve.engine.kv_events import (
     ZmqPublisher,
     wire_events,
 )
-from ringserve.engine.loading import load_hf_config, load_model, load_tokenizer, resolve_model
+from ringserve.engine.loading import TokenizerLoad, load_hf_config, load_model, resolve_model
 from ringserve.engine.loading.quantize import pick_quantization, weight_bytes
 from ringserve.engine.memory_plan import (
     loading_allocations,
@@ -103,7 +103,7 @@ class LLMEngine:
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if self.device.type == "cpu":
             cpu_build.available()  # build the CPU kernels now, not at the first request
-        self.tokenizer = load_tokenizer(resolved.path)
+        tokenizer = TokenizerLoad(resolved.path)  # read while the weights load
         self.quantization, why = pick_quantization(config.quantization, folder=resolved.path,
                                                    device=self.device, dtype=self.dtype)
         logger.info("quantization %s (%s)", self.quantization, why)
@@ -151,6 +151,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=self.device,
                                   greedy_head=greedy)
+        self.tokenizer = tokenizer.result()
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size,
                                             self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, structured=self.structured)

@@ -21,6 +21,7 @@ A caller resolves first, then builds:
 
 from ringserve.engine.loading.build import load_model
 from ringserve.engine.loading.checkpoint import (
+    TokenizerLoad,
     check_model_type,
     iter_weights,
     load_hf_config,
@@ -42,6 +43,7 @@ __all__ = [
     "ModelLoadError",
     "Preset",
     "ResolvedModel",
+    "TokenizerLoad",
     "UnsupportedModelError",
     "check_files",
     "check_model_type",
