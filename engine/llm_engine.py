@@ -64,6 +64,7 @@ from ringserve.engine.startup import (
     check_fits,
     describe,
     describe_cpu_kernels,
+    has_mxfp4,
     pick_device,
     pick_dtype,
     pick_numerics,
@@ -107,8 +108,8 @@ class LLMEngine:
         self.quantization, why = pick_quantization(config.quantization, folder=resolved.path,
                                                    device=self.device, dtype=self.dtype)
         logger.info("quantization %s (%s)", self.quantization, why)
-        self.int16_activations, self.kv_dtype = pick_numerics(config, self.quantization,
-                                                              self.dtype, self.device)
+        self.int16_activations, self.kv_dtype = pick_numerics(
+            config, self.quantization, self.dtype, self.device, mxfp4=has_mxfp4(hf_config))
         budget, self.runtime_bytes = check_fits(config, resolved.path, dtype=self.dtype,
                                                 device=self.device,
                                                 quantization=self.quantization)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,16 +117,17 @@ def pick_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, *,
 
 
 def pick_numerics(config: EngineConfig, quantization: str, dtype: torch.dtype,
-                  device: torch.device) -> tuple[bool, torch.dtype]:
-    """Whether the quantized linears take int16 activations, and the KV cache's dtype (which
-    follows them), each logged with its reason.
+                  device: torch.device, *, mxfp4: bool = False) -> tuple[bool, torch.dtype]:
+    """Whether the quantized linears (``mxfp4``: and the MXFP4 experts of a model with no
+    quantization method) take int16 activations, and the KV cache's dtype (which follows
+    them), each logged with its reason.
 
     Raises:
         InvalidRequestError: ``int16_activations`` or ``kv_cache_dtype`` cannot be served.
     """
     int16, why = pick_int16_activations(config.int16_activations, quantization=quantization,
-                                        dtype=dtype)  # fmt: skip
-    if quantization != "none":
+                                        dtype=dtype, mxfp4=mxfp4)  # fmt: skip
+    if quantization != "none" or mxfp4:
         logger.info("int16 activations %s (%s)", "on" if int16 else "off", why)
     kv_dtype, why = pick_kv_dtype(config.kv_cache_dtype, dtype, device, int16_activations=int16)
     if kv_dtype != dtype:
@@ -207,6 +209,15 @@ def describe_cpu_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     linears = ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
     kernels = f"{info.variant} kernels" if built else "no compiled kernels (torch paths)"
     return f"{info.describe()}; {kernels}; linears: {linears}"
+
+
+def has_mxfp4(hf_config: Any) -> bool:
+    """Whether the model's config says its experts are MXFP4 blocks (gpt-oss as published,
+    and a GGUF whose experts are MXFP4: `engine.loading.gguf_model`)."""
+    quant = getattr(hf_config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else \
+        getattr(quant, "quant_method", None)
+    return str(method).lower() == "mxfp4"
 
 
 def check_fits(config: EngineConfig, path: Path, *, dtype: torch.dtype, device: torch.device,

@@ -142,6 +142,10 @@ def test_auto_follows_the_cpu_class(monkeypatch: pytest.MonkeyPatch, cls: str) -
     # portable has no SIMD dot; avx512_bf16 has bf16 arithmetic for its activations
     assert on == (cls in ("avx2", "avx512")), why
     assert not pick_int16_activations("auto", quantization="none", dtype=torch.float32)[0]
+    # gpt-oss as published: no method, but MXFP4 experts served as stored
+    experts, why = pick_int16_activations("auto", quantization="none", dtype=torch.float32,
+                                          mxfp4=True)
+    assert experts == on and (not on or "MXFP4" in why), why
     assert not pick_int16_activations("auto", quantization="int4", dtype=torch.bfloat16)[0]
     assert not pick_int16_activations("off", quantization="int4", dtype=torch.float32)[0]
     assert pick_int16_activations("ON", quantization="int4", dtype=torch.float32)[0]

@@ -3,6 +3,7 @@ checkpoint stored in MXFP4 served as transformers runs it."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Callable
 
@@ -209,3 +210,42 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_o
     assert kinds == {"Mxfp4Linear"}, kinds
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt_oss_as_published_with_int16_activations(tmp_path: pathlib.Path) -> None:
+    """gpt-oss as openai publishes it (MXFP4 experts, `quant_method: mxfp4` in its config,
+    no quantization method of ours) served with float32 activations rounded to int16 blocks,
+    what `int16_activations auto` picks on a CPU without bf16 arithmetic: the experts take the
+    integer dot product over their stored codes, and the logits stay within the accuracy
+    bounds of every quantized variant against the same model in float32 (transformers'
+    dequantisation of the experts; gpt-oss at its real weight scale, as in
+    tests/test_accuracy.py)."""
+    from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
+    from tests.model_harness import teacher_forced_logits
+    from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
+
+    path = make_checkpoint("gpt_oss", tmp_path, overrides=OVERRIDES.get("gpt_oss"))
+    (file,) = path.glob("*.safetensors")
+    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)))
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (ref_dir / f.name).write_bytes(f.read_bytes())
+    safetensors.torch.save_file(plain, str(ref_dir / file.name), metadata={"format": "pt"})
+    safetensors.torch.save_file(packed, str(file), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
+    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
+    ref = variant_logits(ref_dir, fp32, ids, CHUNK, B)[:-1]
+    int16 = Variant("int16", {"dtype": "float32", "int16_activations": "on",
+                              "kv_cache_memory": "16MiB"})
+    model, kv_dtype = served_model(path, int16, len(ids) + 1, B)
+    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
+               for lin in [*m.gate_up, *m.down]]
+    assert experts and all(isinstance(lin, Mxfp4Linear) and lin.int16_acts for lin in experts)
+    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
+    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
+    assert within_bounds(a), a

@@ -27,7 +27,7 @@ from ringserve.engine.loading.find import gguf_weights_file
 from ringserve.engine.loading.gguf_file import open_gguf
 from ringserve.engine.loading.gguf_weights import GgufWeights, PendingLinear, saved_parameters
 from ringserve.engine.loading.mxfp4 import merge_mxfp4
-from ringserve.engine.loading.quantize import quantize_model
+from ringserve.engine.loading.quantize import apply_int16_activations, quantize_model
 from ringserve.engine.models import SUPPORTED_MODEL_TYPES, CausalLM, model_config_from_hf
 from ringserve.engine.models.layers import WideningEmbedding
 from ringserve.engine.models.moe import ExpertLinears, MoE, split_experts
@@ -108,7 +108,8 @@ def load_model(
     # tensor at a time and are fused by `quantize_model` where their block types agree.
     if quantization in ("int8", "int4"):
         fuse_projections(model)
-    quantize_model(model, quantization, gguf, int16_activations=int16_activations)
+    quantize_model(model, quantization, gguf)
+    apply_int16_activations(model, int16_activations)
     if pack and can_pack(dtype, torch.device(device)):
         fuse_projections(model)  # whatever is still float (all of it for "none")
         pack_linears(model)

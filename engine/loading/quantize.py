@@ -102,12 +102,13 @@ INT16_ACTIVATIONS = ("auto", "on", "off")
 
 
 def pick_int16_activations(name: str | None, *, quantization: str,
-                          dtype: torch.dtype) -> tuple[bool, str]:
+                          dtype: torch.dtype, mxfp4: bool = False) -> tuple[bool, str]:
     """Whether the quantized linears round float32 activations to int16 blocks and multiply
     by integer dot products, and, for the start-up log, why.
 
-    auto: on for quantized weights with float32 activations on a CPU without bf16
-    arithmetic (AVX2-only, AVX-512 without BF16) whose kernels have the SIMD dot product:
+    auto: on for quantized weights (a quantization method, or ``mxfp4``: MXFP4 experts
+    served as stored, as gpt-oss publishes them) with float32 activations on a CPU without
+    bf16 arithmetic (AVX2-only, AVX-512 without BF16) whose kernels have the SIMD dot product:
     there the float32 FMA path is compute-bound at ~3x its weight-read time (measured in
     benchmarks/results/int16_activations.md). Elsewhere bf16 activations (dpbf16) or float32
     FMA stay, exact to float32.
@@ -125,7 +126,7 @@ def pick_int16_activations(name: str | None, *, quantization: str,
     if name == "off":
         return False, "off: asked for"
     problem = None
-    if quantization == "none":
+    if quantization == "none" and not mxfp4:
         problem = "the weights are not quantized (quantization none)"
     elif dtype != torch.float32:
         problem = f"the activations are {str(dtype).removeprefix('torch.')}, not float32"
@@ -142,17 +143,17 @@ def pick_int16_activations(name: str | None, *, quantization: str,
         return False, "auto: this CPU has bf16 arithmetic; float32 stays float32"
     if not cpu_quant.int16_act_fast():
         return False, f"auto: the {cpu_isa.info().variant} kernels have no SIMD int16 dot"
-    return True, f"auto: {cpu_isa.info().cls} CPU without bf16 arithmetic"
+    experts = " (the MXFP4 experts)" if quantization == "none" else ""
+    return True, f"auto: {cpu_isa.info().cls} CPU without bf16 arithmetic{experts}"
 
 
-def quantize_model(model: nn.Module, method: str, gguf: GgufWeights | None, *,
-                   int16_activations: bool = False) -> None:
+def quantize_model(model: nn.Module, method: str, gguf: GgufWeights | None) -> None:
     """Replace the model's linears (and a tied embedding) by quantized ones, in place.
 
     Runs after the weights are loaded and q/k/v and gate/up are fused, before the
     remaining float linears are packed. ``method`` is what `pick_quantization` returned;
-    ``int16_activations`` what `pick_int16_activations` did; ``gguf`` the file the model
-    is read from, whose blocks stand in for the `PendingLinear` modules ("gguf").
+    ``gguf`` the file the model is read from, whose blocks stand in for the
+    `PendingLinear` modules ("gguf"). `apply_int16_activations` runs next.
     """
     if method == "none":
         return
@@ -171,23 +172,29 @@ def quantize_model(model: nn.Module, method: str, gguf: GgufWeights | None, *,
 
         replaced = _replace(model, make)
     logger.info("quantization %s: %d linears quantized", method, replaced)
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.int16_acts = (int16_activations and module.kernel
-                                 and cpu_quant.int16_act_supports(module.qw))  # fmt: skip
-        elif isinstance(module, Mxfp4Linear):
-            module.int16_acts = int16_activations
-        elif isinstance(module, (RMSNorm, Attention)):
-            # NOTE: rounded activations already part from float32 transformers at the 1e-5
-            # level, so the norms and rotary may sum in their compiled order too (one pass
-            # instead of ~10 ATen ops each: ~3 ms of a 15 ms gemma-3-270m step on AVX2).
-            module.float32_kernel = int16_activations
     slow = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.kernel]
     dtype = next(iter(model.parameters())).dtype
     if slow or dtype not in (torch.bfloat16, torch.float32):
         logger.warning("quantization %s without the compiled kernels (they need float32 or "
                        "bfloat16 activations and a C++ compiler): every step widens the "
                        "weights, slower than quantization='none'", method)
+
+
+def apply_int16_activations(model: nn.Module, on: bool) -> None:
+    """Give every layer the model's int16-activation decision (`pick_int16_activations`):
+    the quantized linears whose kernel reads int16 blocks, the MXFP4 experts, and the norms
+    and rotary, whatever the quantization method (gpt-oss as published has MXFP4 experts
+    and no method)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.int16_acts = on and module.kernel and cpu_quant.int16_act_supports(module.qw)
+        elif isinstance(module, Mxfp4Linear):
+            module.int16_acts = on
+        elif isinstance(module, (RMSNorm, Attention)):
+            # NOTE: rounded activations already part from float32 transformers at the 1e-5
+            # level, so the norms and rotary may sum in their compiled order too (one pass
+            # instead of ~10 ATen ops each: ~3 ms of a 15 ms gemma-3-270m step on AVX2).
+            module.float32_kernel = on
 
 
 def _from_blocks(model: nn.Module, gguf: GgufWeights) -> int:
