@@ -169,6 +169,9 @@ def test_it_serves_only_what_it_can_and_says_why(monkeypatch: pytest.MonkeyPatch
         assert greedy_head.amx_pass() == (cls == "amx" and cpu_build.amx())
         assert greedy_head.min_rows() == (1 if cls == "amx" and cpu_build.amx() else
                                           2 if cls in ("avx512_bf16", "amx") else 4)
+        # a wide head (gpt-oss's 2,880 inputs): the AVX2 pass from one row as well
+        assert greedy_head.min_rows(k=2880) == (1 if cls == "amx" and cpu_build.amx() else
+                                                2 if cls in ("avx512_bf16", "amx") else 1)
     # the portable build has no pass
     monkeypatch.setattr(cpu_isa, "info", lambda: dataclasses.replace(real, cls="portable"))
     assert "neither AVX512-VNNI nor AVX2" in (GreedyHead.can_serve(head, torch.float32) or "")

@@ -37,8 +37,15 @@ TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
 # that is one row (Zen 4); with the AVX2 pass up to three, where the full head's int16 loop
 # keeps up with memory (Zen 3, `benchmarks/greedy_head_pass.py --rows 1,2,3,4`: pick /
 # full head 6.8-7.7 / 6.7 ms at 2 rows, 8.6-8.9 / 8.4-8.5 at 3, 9.9-10.3 / 11.0 at 4).
+# A wide head is another matter: there the full head's int16 loop at one row no longer keeps
+# up with memory, and the pass (three instructions per 32 products, not nine) does. For
+# gpt-oss-20b's head (201,088 x 2,880, Q8_0) the pick beat the full head from one row (AVX2
+# EPYC, Zen 3, 2026-12-07, `benchmarks/greedy_head_pass.py --rows 1,2,4`: 51 / 62 ms at 1
+# row, 55 / 69 at 2, 71 / 91 at 4), so from `WIDE_HEAD_K` inputs the AVX2 pass starts at one.
 GREEDY_HEAD_ROWS = 2
 GREEDY_HEAD_ROWS_AVX2 = 4
+GREEDY_HEAD_ROWS_AVX2_WIDE = 1
+WIDE_HEAD_K = 2048
 # The AMX pass reads one byte a head value as the VNNI pass does, but only the copy (no group
 # scales): from one row it beats the full head's one-row multiply (AMX machine,
 # `benchmarks/greedy_head_pass.py --rows 1`: pick 7.8 against 9.3 ms).
@@ -51,12 +58,14 @@ def supported() -> bool:
     return available() and bool(ops().greedy_head_supported())
 
 
-def min_rows(amx: bool | None = None) -> int:
+def min_rows(amx: bool | None = None, k: int = 0) -> int:
     """The fewest greedy rows a step picks with the pass on this CPU class (``amx``: with the
-    AMX pass; None: where `amx_pass()`)."""
+    AMX pass; None: where `amx_pass()`), for a head of ``k`` inputs."""
     if amx_pass() if amx is None else amx:
         return GREEDY_HEAD_ROWS_AMX
-    return GREEDY_HEAD_ROWS if cpu_isa.info().variant == "avx512_bf16" else GREEDY_HEAD_ROWS_AVX2
+    if cpu_isa.info().variant == "avx512_bf16":
+        return GREEDY_HEAD_ROWS
+    return GREEDY_HEAD_ROWS_AVX2_WIDE if k >= WIDE_HEAD_K else GREEDY_HEAD_ROWS_AVX2
 
 
 def amx_pass() -> bool:
@@ -79,7 +88,7 @@ class GreedyHead:
         self.head = head
         self.vocab, self.k = head.out_features, head.in_features
         self.amx = amx_pass() if amx is None else amx
-        self.min_rows = min_rows(self.amx)
+        self.min_rows = min_rows(self.amx, self.k)
         if self.amx:
             self._pack_amx(head.qw)
         else:
