@@ -39,7 +39,7 @@ from ringserve.engine.models.quant_linear import QuantLinear
 from tests import llamacpp_convert
 from tests.model_harness import RingHarness, load_ours, teacher_forced_logits
 from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
-from tests.test_mxfp4 import mxfp4_experts
+from tests.test_mxfp4 import assert_int16_experts_within_bounds, mxfp4_experts
 from tests.tiny_models import CORPUS, B, W, hf_reference, make_checkpoint, make_llm, random_tokens
 
 # case: (family, config overrides). What a GGUF file cannot carry is fixed by llama.cpp per
@@ -222,15 +222,4 @@ def test_gpt_oss_mxfp4_experts_with_int16_activations(tmp_path: pathlib.Path) ->
     model (transformers' dequantisation of the same experts; gpt-oss at its real weight
     scale, as in tests/test_accuracy.py)."""
     folder, converted = _mxfp4_gguf(tmp_path, "q8_0", OVERRIDES.get("gpt_oss"))
-    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
-    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
-    ref = variant_logits(folder, fp32, ids, CHUNK, B)[:-1]
-    int16 = Variant("gguf", {"dtype": "float32", "quantization": "gguf",
-                             "int16_activations": "on", "kv_cache_memory": "16MiB"})
-    model, kv_dtype = served_model(converted, int16, len(ids) + 1, B)
-    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
-               for lin in [*m.gate_up, *m.down]]
-    assert experts and all(isinstance(lin, Mxfp4Linear) and lin.int16_acts for lin in experts)
-    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
-    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
-    assert within_bounds(a), a
+    assert_int16_experts_within_bounds(converted, folder, {"quantization": "gguf"})

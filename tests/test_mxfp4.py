@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import gguf
 import pytest
@@ -84,6 +85,54 @@ def mxfp4_experts(weights: dict[str, torch.Tensor],
         else:
             packed[name] = plain[name] = tensor
     return packed, plain
+
+
+def published_gpt_oss(root: pathlib.Path, overrides: dict[str, Any] | None = None, *,
+                      edit: Callable[[str, torch.Tensor], None] | None = None,
+                      config_says: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+    """The tiny gpt-oss as openai publishes its models (experts as MXFP4 blocks and scales;
+    with ``config_says`` also ``quant_method: mxfp4`` in its config), and beside it a folder
+    of the same weights with the experts dequantised by transformers' own
+    convert_moe_packed_tensors: (the published folder, the reference folder)."""
+    path = make_checkpoint("gpt_oss", root, overrides=overrides)
+    (file,) = path.glob("*.safetensors")
+    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)), edit)
+    ref_dir = root / "ref"
+    ref_dir.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (ref_dir / f.name).write_bytes(f.read_bytes())
+    safetensors.torch.save_file(plain, str(ref_dir / file.name), metadata={"format": "pt"})
+    safetensors.torch.save_file(packed, str(file), metadata={"format": "pt"})
+    if config_says:
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+        (path / "config.json").write_text(json.dumps(config))
+    return path, ref_dir
+
+
+def assert_int16_experts_within_bounds(served: pathlib.Path, reference: pathlib.Path,
+                                       llm_kwargs: dict[str, Any]) -> None:
+    """``served`` with float32 activations rounded to int16 blocks (``llm_kwargs`` beside
+    them): every expert an `Mxfp4Linear` on the int16 dot product, and the logits within the
+    accuracy bounds of every quantized variant against ``reference`` in float32
+    (tests/test_accuracy.py's text and bounds)."""
+    from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
+    from tests.model_harness import teacher_forced_logits
+    from tests.test_accuracy import CHUNK, NUM_TOKENS, within_bounds
+
+    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
+    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
+    ref = variant_logits(reference, fp32, ids, CHUNK, B)[:-1]
+    int16 = Variant("int16", {"dtype": "float32", "int16_activations": "on",
+                              "kv_cache_memory": "16MiB", **llm_kwargs})
+    model, kv_dtype = served_model(served, int16, len(ids) + 1, B)
+    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
+               for lin in [*m.gate_up, *m.down]]
+    assert experts and all(isinstance(lin, Mxfp4Linear) and lin.int16_acts for lin in experts)
+    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
+    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
+    assert within_bounds(a), a
 
 
 def gguf_order(blocks: torch.Tensor) -> torch.Tensor:
@@ -182,21 +231,11 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_o
     convert_moe_packed_tensors, in a plain checkpoint beside it. On the CPU every expert is
     served from its blocks as stored (`Mxfp4Linear`) and nothing is widened, a block of
     tiny weights (an exponent no float16 holds half of) included."""
-    path = make_checkpoint("gpt_oss", tmp_path)
-    (file,) = path.glob("*.safetensors")
-
     def tiny_block(name: str, scales: torch.Tensor) -> None:
         if out_of_range and name == "model.layers.1.mlp.experts.down_proj":
             scales[2, 0, 0] = 127 - 30  # expert 2: a block of tiny weights
 
-    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)), tiny_block)
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    for f in path.iterdir():
-        if f.suffix != ".safetensors":
-            (ref_dir / f.name).write_bytes(f.read_bytes())
-    safetensors.torch.save_file(plain, str(ref_dir / file.name), metadata={"format": "pt"})
-    safetensors.torch.save_file(packed, str(file), metadata={"format": "pt"})
+    path, ref_dir = published_gpt_oss(tmp_path, edit=tiny_block)
     ids = random_tokens(6 * W, seed=4)
     with torch.no_grad():
         expected = hf_reference(ref_dir)(torch.tensor([ids])).logits[0]
@@ -220,32 +259,7 @@ def test_gpt_oss_as_published_with_int16_activations(tmp_path: pathlib.Path) -> 
     bounds of every quantized variant against the same model in float32 (transformers'
     dequantisation of the experts; gpt-oss at its real weight scale, as in
     tests/test_accuracy.py)."""
-    from benchmarks.accuracy import Variant, compare_logits, served_model, variant_logits
-    from tests.model_harness import teacher_forced_logits
-    from tests.test_accuracy import CHUNK, NUM_TOKENS, OVERRIDES, within_bounds
+    from tests.test_accuracy import OVERRIDES
 
-    path = make_checkpoint("gpt_oss", tmp_path, overrides=OVERRIDES.get("gpt_oss"))
-    (file,) = path.glob("*.safetensors")
-    packed, plain = mxfp4_experts(safetensors.torch.load_file(str(file)))
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    for f in path.iterdir():
-        if f.suffix != ".safetensors":
-            (ref_dir / f.name).write_bytes(f.read_bytes())
-    safetensors.torch.save_file(plain, str(ref_dir / file.name), metadata={"format": "pt"})
-    safetensors.torch.save_file(packed, str(file), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (path / "config.json").write_text(json.dumps(config))
-    ids = [1, *random_tokens(NUM_TOKENS - 1, seed=0)]
-    fp32 = Variant("float32", {"dtype": "float32", "kv_cache_memory": "16MiB"})
-    ref = variant_logits(ref_dir, fp32, ids, CHUNK, B)[:-1]
-    int16 = Variant("int16", {"dtype": "float32", "int16_activations": "on",
-                              "kv_cache_memory": "16MiB"})
-    model, kv_dtype = served_model(path, int16, len(ids) + 1, B)
-    experts = [lin for m in model.modules() if isinstance(m, ExpertLinears)
-               for lin in [*m.gate_up, *m.down]]
-    assert experts and all(isinstance(lin, Mxfp4Linear) and lin.int16_acts for lin in experts)
-    logits = teacher_forced_logits(model, ids, CHUNK, B, kv_dtype)
-    a = compare_logits(ref, logits[:-1], torch.tensor(ids[1:]))
-    assert within_bounds(a), a
+    path, ref_dir = published_gpt_oss(tmp_path, OVERRIDES.get("gpt_oss"), config_says=True)
+    assert_int16_experts_within_bounds(path, ref_dir, {})
