@@ -222,47 +222,39 @@ inline void dot_rows(const Weight& w, const int16_t* xq, const float* xd, const 
   const bool g16 = w.group == 16;
   __m256i lo[R], hi[R];
   __m256 slo[R], shi[R];
+  // Two blocks a pass, `decode(i, b, v)` giving blocks b and b + 1 of weight row i as int16
+  // (values 0-15 and 16-31 of each), up to `end`.
+  const auto pairs = [&](auto decode, int64_t end) {
+    __m256i lo1[R], hi1[R];
+    __m256 s1[R];
+    for (int64_t b = 0; b < end; b += 2) {
+      for (int i = 0; i < R; ++i) {
+        __m256i v[4];
+        decode(i, b, v);
+        lo[i] = v[0];
+        hi[i] = v[1];
+        lo1[i] = v[2];
+        hi1[i] = v[3];
+        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
+        s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
+      }
+      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
+      mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
+    }
+  };
   if constexpr (BITS == 4) {
     // A 64-value chunk's 32 bytes hold block b in their low nibbles and block b + 1 in their
     // high nibbles (kernels/quant.py): bytes 0-15 and 16-31 widened once give both.
-    __m256i lo1[R], hi1[R];
-    __m256 s1[R];
-    for (int64_t b = 0; b < blocks; b += 2) {
-      const int64_t j = b * kBlock;
-      for (int i = 0; i < R; ++i) {
-        __m256i v[4];
-        widen_nibbles(rows[i] + j / 2, v);
-        lo[i] = v[0];
-        hi[i] = v[1];
-        lo1[i] = v[2];
-        hi1[i] = v[3];
-        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
-        s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
-      }
-      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
-      mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
-    }
+    pairs([&](int i, int64_t b, __m256i (&v)[4]) {
+      widen_nibbles(rows[i] + b * kBlock / 2, v);
+    }, blocks);
   } else if constexpr (BITS == kMxfp4) {
     // two blocks a pass (one 256-bit decode for both: 3-15% faster than one at a time at
     // 1 and 2 x rows, gpt-oss's down_proj from memory, AVX2 EPYC), then an odd last one
-    __m256i lo1[R], hi1[R];
-    __m256 s1[R];
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-      for (int i = 0; i < R; ++i) {
-        __m256i v[4];
-        ringserve::fp4_pair_int16(rows[i] + b * 16, w.split, v);
-        lo[i] = v[0];
-        hi[i] = v[1];
-        lo1[i] = v[2];
-        hi1[i] = v[3];
-        slo[i] = _mm256_set1_ps(sf[i * w.sper + b]);
-        s1[i] = _mm256_set1_ps(sf[i * w.sper + b + 1]);
-      }
-      mul_block<M, R>(lo, hi, slo, slo, false, xq, xd, k, blocks, b, acc);
-      mul_block<M, R>(lo1, hi1, s1, s1, false, xq, xd, k, blocks, b + 1, acc);
-    }
-    for (; b < blocks; ++b) {
+    pairs([&](int i, int64_t b, __m256i (&v)[4]) {
+      ringserve::fp4_pair_int16(rows[i] + b * 16, w.split, v);
+    }, blocks & ~int64_t{1});
+    for (int64_t b = blocks & ~int64_t{1}; b < blocks; ++b) {
       for (int i = 0; i < R; ++i) {
         __m128i v0, v1;
         ringserve::fp4_block_int8(rows[i] + b * 16, w.split, v0, v1);
@@ -541,6 +533,18 @@ void run(const Weight& w, const Acts& a, int64_t rows, int64_t n, const float* b
   });
 }
 
+// What both entry points hold through a call: x contiguous, the bias as float32 (or none),
+// and the output [m, n].
+struct Call {
+  at::Tensor x, out;
+  std::optional<at::Tensor> bias;
+  Call(const at::Tensor& x_, int64_t n, const std::optional<at::Tensor>& bias_)
+      : x(x_.contiguous()), out(at::empty({x_.size(0), n}, x_.options())),
+        bias(bias_.has_value() ? std::optional<at::Tensor>(bias_->to(at::kFloat).contiguous())
+                               : std::nullopt) {}
+  const float* bias_data() const { return bias.has_value() ? bias->data_ptr<float>() : nullptr; }
+};
+
 // x: [m, k] float32; weight, scales, mins: kernels/quant.py's int8 / 4-bit layout with a
 // group of 16 (int8) or a multiple of 32; bias: [n] or None. Returns [m, n] float32.
 at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
@@ -553,13 +557,9 @@ at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(group % kBlock == 0 || (bits == 8 && group == 16),
               "int16_act_linear: the weight group must be a multiple of 32 (or 16 for int8)");
   TORCH_CHECK(!bias.has_value() || bias->numel() == n, "int16_act_linear: bias must be [n]");
-  const at::Tensor xf = x.contiguous();
-  const std::optional<at::Tensor> bf =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
-                       : std::nullopt;
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return out;
-  const Acts a = quantize_acts(xf.data_ptr<float>(), rows, k, group, bits == 4);
+  const Call c(x, n, bias);
+  if (rows == 0 || n == 0) return c.out;
+  const Acts a = quantize_acts(c.x.data_ptr<float>(), rows, k, group, bits == 4);
   Weight w{};
   w.data = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   w.row_bytes = bits == 8 ? k : k / 2;
@@ -570,12 +570,11 @@ at::Tensor int16_act_linear(const at::Tensor& x, const at::Tensor& qweight,
   w.gpad = a.gpad;
   w.scales = scales.data_ptr<c10::Half>();
   w.mins = bits == 4 ? mins->data_ptr<c10::Half>() : nullptr;
-  const float* bp = bf.has_value() ? bf->data_ptr<float>() : nullptr;
   if (bits == 8)
-    run<8>(w, a, rows, n, bp, out.data_ptr<float>());
+    run<8>(w, a, rows, n, c.bias_data(), c.out.data_ptr<float>());
   else
-    run<4>(w, a, rows, n, bp, out.data_ptr<float>());
-  return out;
+    run<4>(w, a, rows, n, c.bias_data(), c.out.data_ptr<float>());
+  return c.out;
 }
 
 // x: [m, k] float32; blocks: uint8 [n, k / 32, 16] (two E2M1 codes a byte, in GGUF's
@@ -596,13 +595,9 @@ at::Tensor int16_act_mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
                   exponents.size(1) == k / kBlock,
               "int16_act_mxfp4_linear: exponents must be uint8 [n, k / 32], contiguous");
   TORCH_CHECK(!bias.has_value() || bias->numel() == n, "int16_act_mxfp4_linear: bias must be [n]");
-  const at::Tensor xf = x.contiguous();
-  const std::optional<at::Tensor> bf =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
-                       : std::nullopt;
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return out;
-  const Acts a = quantize_acts(xf.data_ptr<float>(), rows, k, kBlock, false);
+  const Call c(x, n, bias);
+  if (rows == 0 || n == 0) return c.out;
+  const Acts a = quantize_acts(c.x.data_ptr<float>(), rows, k, kBlock, false);
   Weight w{};
   w.data = blocks.data_ptr<uint8_t>();
   w.row_bytes = k / 2;
@@ -613,9 +608,8 @@ at::Tensor int16_act_mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks,
   w.gpad = a.gpad;
   w.exponents = exponents.data_ptr<uint8_t>();
   w.split = split;
-  run<kMxfp4>(w, a, rows, n, bf.has_value() ? bf->data_ptr<float>() : nullptr,
-              out.data_ptr<float>());
-  return out;
+  run<kMxfp4>(w, a, rows, n, c.bias_data(), c.out.data_ptr<float>());
+  return c.out;
 }
 
 // Whether this build multiplies with SIMD integer dot products (AVX2 and up), as opposed
