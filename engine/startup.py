@@ -125,6 +125,7 @@ def pick_numerics(config: EngineConfig, quantization: str, dtype: torch.dtype,
     Raises:
         InvalidRequestError: ``int16_activations`` or ``kv_cache_dtype`` cannot be served.
     """
+    mxfp4 = mxfp4 and device.type == "cpu"  # (elsewhere the experts are widened at load)
     int16, why = pick_int16_activations(config.int16_activations, quantization=quantization,
                                         dtype=dtype, mxfp4=mxfp4)  # fmt: skip
     if quantization != "none" or mxfp4:
