@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringserve.engine.loading.errors import ModelLoadError, UnsupportedModelError
+from ringserve.engine.loading.file_read import read_at
 from ringserve.engine.loading.find import no_config_error, weight_files
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] 
     """Yield every tensor of a folder's safetensors checkpoint, sharded or not.
 
     Tensors come in their stored dtype, on the CPU, each read into memory of its own as it
-    is yielded (plain reads in file order, no mapping): a loader that moves each into its
+    is yielded (in file order, through a small window mapped for the copy alone:
+    `file_read.read_at`): a loader that moves each into its
     place before the next holds at most one tensor beyond the model, and the file's pages
     stay page cache, never this process's resident memory (docs/design.md §12).
 
@@ -117,8 +119,7 @@ def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] 
                     tensor = torch.empty(entry["shape"], dtype=dtype)
                 if end > begin:
                     buffer: Any = tensor.view(-1).view(torch.uint8).numpy()
-                    f.seek(start + begin)
-                    if f.readinto(buffer) != end - begin:
+                    if not read_at(f.fileno(), start + begin, buffer):
                         raise ModelLoadError(f"{file.name}: short read of tensor {name!r}")
                 yield name, tensor
 

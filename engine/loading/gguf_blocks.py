@@ -199,8 +199,8 @@ def repack(
     layout = _LAYOUTS.get(Q(tensor_type))
     if layout is None:
         return None
-    bits, group, per_block, block_bytes, convert = layout
     n, k = shape
+    per_block, block_bytes = layout[2], layout[3]
     if k % per_block:
         raise ValueError(f"k={k} is not a multiple of {Q(tensor_type).name}'s {per_block}")
     nb = k // per_block
@@ -210,38 +210,56 @@ def repack(
             f"{Q(tensor_type).name} [{n}, {k}] needs {n * nb * block_bytes} uint8 bytes, "
             f"got {data.size} of {data.dtype}"
         )
+    return repack_rows(tensor_type, [(0, data.reshape(n, nb * block_bytes))], shape)
+
+
+def repack_rows(
+    tensor_type: Q | int, chunks: Iterable[tuple[int, _U8]], shape: tuple[int, int]
+) -> QuantizedWeight | None:
+    """`repack` from the tensor's rows in chunks (first row, [rows, bytes a row]), e.g. a
+    `GgufTensor.row_chunks()`: each chunk goes to its place in the final layout while it
+    is in cache, so a tensor is never held twice (the head of a 200k-token vocabulary is
+    ~600 MB). The chunks must cover every row once."""
+    layout = _LAYOUTS.get(Q(tensor_type))
+    if layout is None:
+        return None
+    bits, group, per_block, block_bytes, convert = layout
+    n, k = shape
+    if k % per_block:
+        raise ValueError(f"k={k} is not a multiple of {Q(tensor_type).name}'s {per_block}")
     if bits == 4 and k % INT4_CHUNK:
         return None  # our 4-bit packing runs in chunks of INT4_CHUNK values along k
-    if Q(tensor_type) == Q.Q8_0:  # our int8 layout is its own bytes: two strided copies
-        raw8 = torch.from_numpy(data.reshape(n, nb, block_bytes))
-        q8_scales = raw8[..., :2].contiguous().view(torch.float16).reshape(n, nb)
-        if not torch.isfinite(q8_scales).all():
-            return None
-        return QuantizedWeight(8, 32, raw8[..., 2:].reshape(n, k).view(torch.int8), q8_scales,
-                               None)
-    blocks = data.reshape(n, nb, block_bytes)
-    values = np.empty((n, k // 2) if bits == 4 else (n, k), np.uint8 if bits == 4 else np.int8)
-    scales = np.empty((n, k // group), np.float16)
-    mins = np.empty((n, k // group), np.float16) if bits == 4 else None
+    nb = k // per_block
+    values = torch.empty((n, k // 2) if bits == 4 else (n, k),
+                         dtype=torch.uint8 if bits == 4 else torch.int8)
+    scales = torch.empty((n, k // group), dtype=torch.float16)
+    mins = torch.empty((n, k // group), dtype=torch.float16) if bits == 4 else None
     step = max(1, _CHUNK_VALUES // k)
     with np.errstate(over="ignore"):  # an overflowing product is caught just below
-        for start in range(0, n, step):
-            part_values, part_scales, part_mins = convert(blocks[start : start + step])
-            if bits == 4:
-                part_values = pack_int4(torch.from_numpy(part_values)).numpy()
-            values[start : start + step] = part_values
-            scales[start : start + step] = part_scales
-            if mins is not None and part_mins is not None:
-                mins[start : start + step] = part_mins
-    if not np.isfinite(scales).all() or (mins is not None and not np.isfinite(mins).all()):
+        for first, rows in chunks:
+            blocks = rows.reshape(rows.shape[0], nb, block_bytes)
+            if Q(tensor_type) == Q.Q8_0:  # our int8 layout is its own bytes, moved
+                count = blocks.shape[0]
+                # (gguf-py's reader maps its file read-only; torch wants writable arrays)
+                raw8 = torch.from_numpy(blocks if blocks.flags.writeable else blocks.copy())
+                values[first:first + count].view(count, nb, 32).copy_(raw8[..., 2:].view(
+                    torch.int8))
+                scales[first:first + count].view(torch.uint8).view(count, nb, 2).copy_(
+                    raw8[..., :2])
+                continue
+            for start in range(0, blocks.shape[0], step):
+                part_values, part_scales, part_mins = convert(blocks[start:start + step])
+                at = slice(first + start, first + start + part_scales.shape[0])
+                if bits == 4:
+                    values[at] = pack_int4(torch.from_numpy(part_values))
+                else:
+                    values[at] = torch.from_numpy(part_values)
+                scales[at] = torch.from_numpy(part_scales)
+                if mins is not None and part_mins is not None:
+                    mins[at] = torch.from_numpy(part_mins)
+    if not torch.isfinite(scales).all() or (mins is not None and not torch.isfinite(mins).all()):
         return None  # an overflowing product (or a broken file): no float16 scale holds it
-    return QuantizedWeight(
-        bits,
-        group,
-        torch.from_numpy(values),
-        torch.from_numpy(scales),
-        torch.from_numpy(mins) if mins is not None else None,
-    )
+    return QuantizedWeight(bits, group, values, scales, mins)
 
 
 def _field(reader: Reader, key: str) -> Any:
@@ -347,7 +365,9 @@ def _read_one(
     k, n = (int(size) for size in tensor.shape)  # GGUF lists dimensions innermost first
     if tensor.tensor_type not in SUPPORTED_TYPES:
         return None
-    raw = np.asarray(tensor.data).reshape(n, -1)
     if llama and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-        raw = raw[llama_rope_rows(reader, tensor.name, n)]
-    return repack(tensor.tensor_type, raw, (n, k))
+        raw = np.asarray(tensor.data).reshape(n, -1)[llama_rope_rows(reader, tensor.name, n)]
+        return repack(tensor.tensor_type, raw, (n, k))
+    if isinstance(tensor, GgufTensor):  # read a few MiB at a time, each moved in cache
+        return repack_rows(tensor.tensor_type, tensor.row_chunks(), (n, k))
+    return repack(tensor.tensor_type, np.asarray(tensor.data).reshape(n, -1), (n, k))

@@ -1,11 +1,11 @@
-"""A GGUF file's header, parsed once, and its tensors read one at a time with plain reads.
+"""A GGUF file's header, parsed once, and its tensors read one at a time.
 
 gguf-py's `GGUFReader` maps the whole file and builds a numpy view per metadata array
 entry: opening a file with a 262k-token vocabulary takes ~15 s on two cores, and every
 tensor page it touches counts in the process's resident memory for as long as the mapping
 lives. Serving a GGUF needs neither: this reader parses the header (the metadata and the
 tensor table) in one pass, then reads each tensor's bytes into memory of its own when it
-is asked for (`os.preadv`, like `checkpoint.iter_weights` for safetensors), so a loader
+is asked for (`file_read.read_at`, like `checkpoint.iter_weights` for safetensors), so a loader
 that moves each tensor to its final layout before the next holds at most one tensor beyond
 the model, and the file's pages stay page cache (docs/design.md §12).
 
@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ringserve.engine.loading.errors import ModelLoadError
+from ringserve.engine.loading.file_read import read_at
 
 __all__ = ["GgufField", "GgufFile", "GgufTensor", "open_gguf"]
 
@@ -47,6 +48,7 @@ _SCALARS: dict[int, tuple[str, int]] = {  # GGUF value type -> (struct code, siz
 _NUMPY: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4",
                           6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_CHUNK_BYTES = 8 << 20  # `GgufTensor.row_chunks`: a few MiB, read and moved while in cache
 _FLOATS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
 
@@ -57,7 +59,32 @@ class GgufField:
     value: Any
 
     def contents(self) -> Any:
+        if isinstance(self.value, _Strings):
+            return self.value.decode()
         return self.value
+
+
+class _Strings:
+    """An array of strings kept as its bytes until asked for: a vocabulary of 200k tokens
+    is decoded only by the code that reads it (a serving start reads the tokenizer from the
+    metadata folder written at the first start, never from here), so opening a file walks
+    the lengths alone (~0.1 s against ~1.2 s to decode every token on two cores)."""
+
+    __slots__ = ("_count", "_decoded", "_raw")
+
+    def __init__(self, raw: bytes, count: int) -> None:
+        self._raw, self._count = raw, count
+        self._decoded: list[str] | None = None
+
+    def decode(self) -> list[str]:
+        if self._decoded is None:
+            raw, at, items = self._raw, 0, []
+            for _ in range(self._count):
+                (length,) = struct.unpack_from("<Q", raw, at)
+                items.append(raw[at + 8:at + 8 + length].decode("utf-8", errors="replace"))
+                at += 8 + length
+            self._decoded = items
+        return self._decoded
 
 
 class GgufTensor:
@@ -85,6 +112,23 @@ class GgufTensor:
     def read(self, into: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
         """The tensor's bytes, read into memory of their own (or into ``into``)."""
         return self._file.read_bytes(self.data_offset, self.n_bytes, self.name, into)
+
+    def row_chunks(self, chunk_bytes: int = _CHUNK_BYTES,
+                   multiple: int = 1) -> Iterator[tuple[int, npt.NDArray[np.uint8]]]:
+        """The tensor's rows (every dimension but the innermost flattened: [rows, bytes a
+        row]) as (first row, bytes of some rows), read a few MiB at a time into one buffer
+        that the next chunk overwrites: a loader that moves each chunk to its final layout
+        touches the tensor's bytes once, in cache, and never holds a copy of the whole.
+        Each chunk holds a multiple of ``multiple`` rows (e.g. an expert's)."""
+        rows = self.n_elements // int(self.shape[0]) if len(self.shape) else 1
+        row_bytes = self.n_bytes // rows
+        step = max(1, chunk_bytes // max(row_bytes * multiple, 1)) * multiple
+        buffer = np.empty(min(step, rows) * row_bytes, np.uint8)
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            out = buffer[:count * row_bytes]
+            self._file.read_bytes(self.data_offset + start * row_bytes, out.size, self.name, out)
+            yield start, out.reshape(count, row_bytes)
 
     @property
     def data(self) -> npt.NDArray[Any]:
@@ -149,6 +193,13 @@ class GgufFile:
                 if item in _NUMPY:
                     size = _SCALARS[item][1] * count
                     return np.frombuffer(buf, _NUMPY[item], count, at).tolist(), at + size
+                if item == _STRING:  # walk the lengths; the strings decode when read
+                    begin, unpack = at, struct.Struct("<Q").unpack_from
+                    for _ in range(count):
+                        at += 8 + unpack(buf, at)[0]
+                    if at > len(buf):
+                        raise ValueError("a string array runs past the end of the file")
+                    return _Strings(buf[begin:at], count), at
                 items = []
                 for _ in range(count):
                     entry, at = value(item, at)
@@ -193,19 +244,15 @@ class GgufFile:
 
     def read_bytes(self, offset: int, size: int, what: str,
                    out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
-        """``size`` bytes at ``offset``, into ``out`` or a fresh array (plain reads, no
-        mapping)."""
+        """``size`` bytes at ``offset``, into ``out`` or a fresh array (copied from a small
+        mapping of the file: `file_read.read_at`)."""
         if out is None:
             out = np.empty(size, np.uint8)
         elif out.nbytes != size or out.dtype != np.uint8:
             raise ValueError(f"{what}: {size} bytes do not fit {out.nbytes}")
         with self.path.open("rb", buffering=0) as handle:
-            got = 0
-            while got < size:
-                n = os.preadv(handle.fileno(), [out.data[got:]], offset + got)
-                if n <= 0:
-                    raise ModelLoadError(f"{self.path.name}: short read of tensor {what!r}")
-                got += n
+            if not read_at(handle.fileno(), offset, out):
+                raise ModelLoadError(f"{self.path.name}: short read of tensor {what!r}")
         return out
 
     def __iter__(self) -> Iterator[GgufTensor]:

@@ -123,18 +123,20 @@ def mxfp4_pair(parts: list[GgufTensor], split: bool) -> tuple[torch.Tensor, torc
     for index, part in enumerate(parts):
         if part.hf_shape != (experts, rows, k) or part.tensor_type != Q.MXFP4:
             raise ModelLoadError(f"{part.name}: MXFP4 parts of one projection differ")
-        raw = torch.from_numpy(part.read()).view(experts, rows, groups, 17)
-        out_blocks = blocks[:, index::len(parts)]
-        scales[:, index::len(parts)] = raw[..., 0]
-        if split:
-            out_blocks.copy_(raw[..., 1:])
-            continue
-        for e in range(experts):  # an expert at a time bounds the temporaries
+        # a few experts' rows at a time, each moved to its place while in cache
+        for first, chunk in part.row_chunks(multiple=rows):
+            raw = torch.from_numpy(chunk).view(-1, rows, groups, 17)  # whole experts
+            at = slice(first // rows, first // rows + raw.shape[0])
+            out_blocks = blocks[at, index::len(parts)]
+            scales[at, index::len(parts)] = raw[..., 0]
+            if split:
+                out_blocks.copy_(raw[..., 1:])
+                continue
             # byte 2i's low nibble and byte 2i + 1's are values 2i and 2i + 1
             # (transformers' byte i); their high nibbles 16 + 2i and 17 + 2i (its 8 + i)
-            codes = raw[e, ..., 1:].numpy()
+            codes = raw[..., 1:].numpy()
             even, odd = codes[..., 0::2], codes[..., 1::2]
-            target = out_blocks[e].numpy()
+            target = out_blocks.numpy()
             np.bitwise_or(even & 0x0F, odd << 4, out=target[..., :8])
             np.bitwise_or(even >> 4, odd & 0xF0, out=target[..., 8:])
     return blocks, scales

@@ -1,0 +1,52 @@
+"""Reading a slice of a weights file into memory of its own, through a small mapping.
+
+Both loaders (safetensors: `checkpoint.iter_weights`; GGUF: `gguf_file.GgufFile`) read
+each tensor into the memory that serves it, one at a time (docs/design.md §12). Plain
+reads (`read`, `preadv`) copy out of the page cache at 1.4-1.6 GB/s on the KVM machines
+these sessions run on; copying from a mapping of the same pages runs at 7-8 GB/s there
+(measured on an AVX2 EPYC, 2 cores: the 3 GB of gpt-oss's 4-layer GGUF in 0.4 s instead of
+2 s). So the bytes are copied from a window of the file mapped for the copy alone and
+unmapped after it: a window is at most `WINDOW` bytes, so at most that much of the file
+ever counts in the process's resident memory, and the file's pages stay page cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["WINDOW", "read_at"]
+
+WINDOW = 32 << 20
+"""The most bytes of a file mapped at once."""
+
+
+def read_at(fileno: int, offset: int, out: npt.NDArray[np.uint8]) -> bool:
+    """Copy ``out.nbytes`` bytes of the open file ``fileno`` from ``offset`` into ``out``
+    (contiguous uint8), a window at a time.
+
+    Returns:
+        False where the file ends before those bytes do (nothing is promised of ``out``).
+    """
+    flat = out.reshape(-1)
+    size, done = flat.size, 0
+    while done < size:
+        start = offset + done
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        length = min(size - done, WINDOW)
+        try:
+            view = mmap.mmap(fileno, start - base + length, prot=mmap.PROT_READ, offset=base)
+        except ValueError:  # the window runs past the end of the file
+            return False
+        try:
+            if hasattr(mmap, "MADV_SEQUENTIAL"):
+                view.madvise(mmap.MADV_SEQUENTIAL)
+            src = np.frombuffer(view, np.uint8, length, start - base)
+            np.copyto(flat[done:done + length], src)
+            del src  # the mapping closes only when no array views it
+        finally:
+            view.close()
+        done += length
+    return True
