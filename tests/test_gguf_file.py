@@ -19,8 +19,10 @@ import torch
 
 from ringserve.engine.loading import load_model
 from ringserve.engine.loading.convert import resolve_model
+from ringserve.engine.loading import file_read
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.find import gguf_weights_file
+from ringserve.engine.loading.gguf_blocks import repack, repack_rows
 from ringserve.engine.loading.gguf_file import GgufFile
 from ringserve.engine.memory_plan import MiB
 from ringserve.engine.models.quant_linear import QuantEmbedding, QuantLinear
@@ -57,6 +59,48 @@ def test_the_header_reads_as_gguf_py_reads_it(llama_q8: pathlib.Path) -> None:
             (b.tensor_type, list(b.shape), b.data_offset, b.n_bytes), a.name
         assert a.data.shape == b.data.shape and np.array_equal(a.data, np.asarray(b.data))
     assert kinds == {"Q8_0", "F32"}
+
+
+def test_blocks_repacked_a_few_rows_at_a_time_equal_the_whole(llama_q8: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """`GgufTensor.row_chunks` in chunks that end mid-window and mid-row-group, through
+    windows of `file_read.read_at` that start off any page: the same blocks as the tensor
+    read whole and repacked at once, and the same bytes as gguf-py reads."""
+    monkeypatch.setattr(file_read, "WINDOW", 3 * 4096 + 5)
+    ours, theirs = GgufFile(llama_q8), gguf.GGUFReader(str(llama_q8))
+    theirs_by_name = {t.name: t for t in theirs.tensors}
+    checked = 0
+    for tensor in ours.tensors:
+        if tensor.tensor_type.name != "Q8_0" or len(tensor.shape) != 2:
+            continue
+        k, n = (int(d) for d in tensor.shape)
+        chunks = list((first, rows.copy()) for first, rows in tensor.row_chunks(
+            chunk_bytes=5 * 3 * 1088 + 17, multiple=3))  # 5 groups of 3 rows
+        assert [first for first, _ in chunks] == list(range(0, n, 15))
+        whole = np.asarray(theirs_by_name[tensor.name].data).reshape(n, -1)
+        assert np.array_equal(np.concatenate([rows for _, rows in chunks]), whole)
+        a = repack_rows(tensor.tensor_type, chunks, (n, k))
+        b = repack(tensor.tensor_type, whole, (n, k))
+        assert a is not None and b is not None
+        assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+        checked += 1
+    assert checked >= 7
+
+
+def test_read_at_copies_across_windows_and_refuses_a_short_file(tmp_path: pathlib.Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    data = np.random.default_rng(0).integers(0, 256, 3 * 65536 + 123, dtype=np.uint8)
+    path = tmp_path / "x.bin"
+    path.write_bytes(data.tobytes())
+    monkeypatch.setattr(file_read, "WINDOW", 65536 + 7)  # several windows, none aligned
+    with path.open("rb") as handle:
+        for offset, size in [(0, data.size), (5, 70000), (65535, 131073), (data.size - 1, 1)]:
+            out = np.empty(size, np.uint8)
+            assert file_read.read_at(handle.fileno(), offset, out)
+            assert np.array_equal(out, data[offset:offset + size]), (offset, size)
+        assert not file_read.read_at(handle.fileno(), data.size - 10, np.empty(11, np.uint8))
 
 
 def test_a_truncated_or_foreign_file_is_refused(llama_q8: pathlib.Path,

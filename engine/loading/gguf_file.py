@@ -113,7 +113,7 @@ class GgufTensor:
         """The tensor's bytes, read into memory of their own (or into ``into``)."""
         return self._file.read_bytes(self.data_offset, self.n_bytes, self.name, into)
 
-    def row_chunks(self, chunk_bytes: int = _CHUNK_BYTES,
+    def row_chunks(self, chunk_bytes: int | None = None,
                    multiple: int = 1) -> Iterator[tuple[int, npt.NDArray[np.uint8]]]:
         """The tensor's rows (every dimension but the innermost flattened: [rows, bytes a
         row]) as (first row, bytes of some rows), read a few MiB at a time into one buffer
@@ -122,6 +122,7 @@ class GgufTensor:
         Each chunk holds a multiple of ``multiple`` rows (e.g. an expert's)."""
         rows = self.n_elements // int(self.shape[0]) if len(self.shape) else 1
         row_bytes = self.n_bytes // rows
+        chunk_bytes = _CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         step = max(1, chunk_bytes // max(row_bytes * multiple, 1)) * multiple
         buffer = np.empty(min(step, rows) * row_bytes, np.uint8)
         for start in range(0, rows, step):
