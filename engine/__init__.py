@@ -17,12 +17,35 @@ import sys as _sys
 if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from ringserve.engine.config import EngineConfig
-from ringserve.engine.errors import EngineDeadError, InvalidRequestError
-from ringserve.engine.llm import LLM
-from ringserve.engine.llm_engine import LLMEngine
-from ringserve.engine.outputs import CompletionOutput, RequestOutput
-from ringserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
+# NOTE: the exports load when first asked for (PEP 562): the server's process starts its
+# engine core before it imports torch, so that both import at once (engine/core_spawn.py)
+_EXPORTS = {
+    "LLM": "llm", "CompletionOutput": "outputs", "EngineConfig": "config",
+    "EngineDeadError": "errors", "InvalidRequestError": "errors", "LLMEngine": "llm_engine",
+    "RequestOutput": "outputs", "SamplingParams": "sampling_params",
+    "StructuredOutputsParams": "sampling_params",
+}
+
+if _TYPE_CHECKING:
+    from ringserve.engine.config import EngineConfig
+    from ringserve.engine.errors import EngineDeadError, InvalidRequestError
+    from ringserve.engine.llm import LLM
+    from ringserve.engine.llm_engine import LLMEngine
+    from ringserve.engine.outputs import CompletionOutput, RequestOutput
+    from ringserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def __getattr__(name: str) -> _Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringserve.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"ringserve.engine.{module}"), name)
+
 
 __all__ = [
     "LLM",

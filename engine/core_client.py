@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import os
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -23,7 +21,8 @@ from typing import Any
 
 from ringserve.engine.async_llm import EngineFront
 from ringserve.engine.config import EngineConfig
-from ringserve.engine.core_proc import CoreInfo, WireError, core_main
+from ringserve.engine.core_proc import CoreInfo, WireError
+from ringserve.engine.core_spawn import SpawnedCore, spawn_core
 from ringserve.engine.engine_loop import StreamDelta
 from ringserve.engine.errors import EngineDeadError
 from ringserve.engine.loading import TokenizerLoad
@@ -61,22 +60,17 @@ class CoreClient(EngineFront):
 
     @classmethod
     def launch(cls, config: EngineConfig, *, log_level: str = "info",
-               max_waiting: int | None = None) -> CoreClient:
-        """Start the core and wait until its engine is built (a first start may convert a
-        model for minutes: there is no deadline while the process lives).
+               max_waiting: int | None = None,
+               spawned: SpawnedCore | None = None) -> CoreClient:
+        """Start the core (or take ``spawned``, one `spawn_core` started for ``config``)
+        and wait until its engine is built (a first start may convert a model for minutes:
+        there is no deadline while the process lives).
 
         Raises:
             EngineStartError: the core failed to build its engine (its reason) or died.
         """
-        ctx = multiprocessing.get_context("spawn")
-        cmd_read, cmd_write = ctx.Pipe(duplex=False)
-        out_read, out_write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=core_main,
-                              args=(config, cmd_read, out_write, log_level, os.getpid()),
-                              name="ringserve-core", daemon=True)
-        process.start()
-        cmd_read.close()
-        out_write.close()  # ours closed: the pipe ends when the core's end does
+        core = spawned if spawned is not None else spawn_core(config, log_level)
+        process, cmd_write, out_read = core.process, core.commands, core.outputs
         tokenizer: TokenizerLoad | None = None
         try:
             message = out_read.recv()

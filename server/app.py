@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ringserve.engine import EngineConfig, LLMEngine
 from ringserve.engine.async_llm import AsyncLLM, EngineFront
 from ringserve.engine.core_client import CoreClient, EngineStartError
+from ringserve.engine.core_spawn import SpawnedCore
 from ringserve.server.errors import error_response, install_error_handlers
 from ringserve.server.metrics import Metrics
 from ringserve.server.protocol import ErrorResponse
@@ -47,7 +48,7 @@ def _start_engine(state: ServerState) -> None:
         llm: EngineFront
         if args.engine_core == "process":
             llm = CoreClient.launch(config, log_level=args.log_level,
-                                    max_waiting=args.max_waiting)
+                                    max_waiting=args.max_waiting, spawned=state.spawned)
             llm.on_dead = lambda err: _core_died(state, err)
         else:
             llm = AsyncLLM(LLMEngine(config), max_waiting=args.max_waiting)
@@ -191,10 +192,11 @@ class Guard:
             metrics.rejected(status)
 
 
-def create_app(args: ServeArgs) -> FastAPI:
-    """The app for ``args``; the engine starts when the app's lifespan starts."""
+def create_app(args: ServeArgs, spawned: SpawnedCore | None = None) -> FastAPI:
+    """The app for ``args``; the engine starts when the app's lifespan starts (its core
+    process is ``spawned`` where `cli.serve` started it already)."""
     app = FastAPI(title="ringserve", version=misc.VERSION, lifespan=lifespan)
-    app.state.server = ServerState(args=args)
+    app.state.server = ServerState(args=args, spawned=spawned)
     install_error_handlers(app)
 
     app.add_middleware(Guard, state=app.state.server)

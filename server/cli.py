@@ -11,12 +11,15 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import yaml
 
 from ringserve.server.state import Phase, ServeArgs, ServerState, parse_shapes
+
+if TYPE_CHECKING:
+    from ringserve.engine.core_spawn import SpawnedCore
 
 logger = logging.getLogger("ringserve.server")
 # Seconds after --shutdown-timeout for the aborted requests' last chunks to go out before
@@ -234,8 +237,6 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(ns: argparse.Namespace) -> int:
-    from ringserve.server.app import create_app
-
     args = _serve_args(ns)
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
@@ -243,7 +244,10 @@ def serve(ns: argparse.Namespace) -> int:
     print(f"ringserve: loading {args.model}; serving on {url} (GET {url}/health says when "
           f"ready). Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'", flush=True)
-    app = create_app(args)
+    spawned = _spawn_early(args)
+    from ringserve.server.app import create_app  # torch loads here, beside the core's
+
+    app = create_app(args, spawned=spawned)
     # NOTE: uvicorn's own bound is a backstop only: at shutdown_timeout the requests are
     # aborted and their last chunks written; cancelling a connection would cut them off.
     # NOTE: h11, not httptools where installed: httptools refuses a request whose header
@@ -256,6 +260,22 @@ def serve(ns: argparse.Namespace) -> int:
                             + ABORT_GRACE_S)
     GracefulServer(config, app.state.server, args.shutdown_timeout).run()
     return int(app.state.server.exit_code)
+
+
+def _spawn_early(args: ServeArgs) -> SpawnedCore | None:
+    """The engine core, started now: it imports torch and the rest while this process
+    imports the app (`engine.core_spawn`). None where the engine runs in this process, or
+    where its settings are refused (the app's start then fails with the reason)."""
+    from ringserve.engine.config import EngineConfig
+    from ringserve.engine.core_spawn import spawn_core
+
+    if args.engine_core != "process":
+        return None
+    try:
+        config = EngineConfig(**args.engine_kwargs())
+    except ValueError:
+        return None
+    return spawn_core(config, args.log_level)
 
 
 def generate(ns: argparse.Namespace) -> int:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import glob
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ringserve.engine.async_llm import EngineFront
-from ringserve.engine.startup import pick_device
+if TYPE_CHECKING:  # NOTE: torch loads with the app, after the core is started (cli.serve)
+    from ringserve.engine.async_llm import EngineFront
 
 CPU_STEP_TOKENS = 512  # the served default of --max-num-batched-tokens on the CPU
 
@@ -69,9 +70,20 @@ class ServeArgs:
         tok/s within this host's noise (docs/benchmarks.md)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        if pick_device(self.device).type == "cuda":
+        if self._on_cuda():
             return 2048
         return max(CPU_STEP_TOKENS, self.max_num_seqs)
+
+    def _on_cuda(self) -> bool:
+        """`startup.pick_device`'s answer, without torch where no NVIDIA device node exists
+        (torch would find no CUDA device either): `cli.serve` starts the engine core before
+        this process imports torch (engine/core_spawn.py)."""
+        if self.device == "cpu" or (self.device is None
+                                    and not glob.glob("/dev/nvidia[0-9]*")):
+            return False
+        from ringserve.engine.startup import pick_device
+
+        return pick_device(self.device).type == "cuda"
 
     def engine_kwargs(self) -> dict[str, Any]:
         return dict(model=self.model, dtype=self.dtype, quantization=self.quantization,
@@ -102,6 +114,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Any = None
     exit_code: int = 0  # the process's, once it stops (1: the engine core died)
+    spawned: Any = None  # a core started before the app was built (`core_spawn.SpawnedCore`)
 
     def ready_llm(self) -> EngineFront:
         """The engine front, or a 503 while starting, stopping or after a failed start."""

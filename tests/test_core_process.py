@@ -278,3 +278,22 @@ def test_a_core_whose_api_process_is_killed_while_it_loads_exits(
     # it went before the engine was built (the greedy head's line comes once the model is
     # loaded, on or off), and never said "ready" into the broken pipe
     assert "greedy head" not in text and "BrokenPipeError" not in text
+
+
+# What `ringserve serve` runs before it starts the core (server/cli.py: `serve`): none of it
+# may load torch, or the two processes' imports run one after the other again
+BEFORE_SPAWN = """
+import sys
+from ringserve.server.cli import _serve_args, build_parser
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.core_spawn import spawn_core
+args = _serve_args(build_parser().parse_args(["serve", "--model", "x", "--device", "cpu"]))
+EngineConfig(**args.engine_kwargs())
+print(sorted(m for m in ("torch", "transformers", "numpy", "fastapi") if m in sys.modules))
+"""
+
+
+def test_the_server_starts_its_core_before_it_imports_torch() -> None:
+    out = subprocess.run([sys.executable, "-c", BEFORE_SPAWN], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]", out
