@@ -71,14 +71,21 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on memory advised MADV_HUGEPAGE where `offered`, else
     ``torch.zeros``. Written through once, as torch.zeros writes: every page is taken now,
     so that a machine without the memory fails here, at start, not in a later step."""
+    return huge_empty(shape, dtype).zero_()
+
+
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on memory advised MADV_HUGEPAGE where `offered` and it spans a huge
+    page, else ``torch.empty``; not zeroed (`huge_zeros` is): for a tensor its maker
+    writes through at once (a copy packed), whose pages that one write takes."""
     count = 1
     for n in shape:
         count *= n
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not offered():
-        return torch.zeros(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
     buf, offset = _advised(nbytes)
-    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape).zero_()
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 class HugeArena:

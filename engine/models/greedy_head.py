@@ -28,7 +28,7 @@ from ringserve.engine.models.quant_linear import QuantLinear, uncopied_linear
 from ringserve.kernels import cpu_build, cpu_isa, cpu_quant
 from ringserve.kernels.cpu_build import available, ops
 from ringserve.kernels.cpu_sample import first_max
-from ringserve.kernels.hugepages import huge_copy, huge_zeros
+from ringserve.kernels.hugepages import huge_copy, huge_empty
 from ringserve.kernels.quant import QuantizedWeight, dequantize
 
 TILE = 16  # vocabulary rows a tile of the copy (greedy_head.cpp's kRows)
@@ -126,7 +126,7 @@ class GreedyHead:
         count = -(-n // TILE)
         # [rows, k] -> [T, k / 4, 16, 4] and the norms, in one pass of the kernels (in
         # Python, a 201k-row head's copy took 7-10 s of a start on 2 cores)
-        tiles = huge_zeros((count, k // 4, TILE, 4), torch.uint8)
+        tiles = huge_empty((count, k // 4, TILE, 4), torch.uint8)  # the pack writes all
         scales = torch.zeros(count * TILE, k // group, dtype=torch.float32)
         norms = torch.empty(count * TILE, dtype=torch.float32)
         scales[:n] = qw.scales.float()
