@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ringserve.engine.loading import load_model
+from ringserve.engine.loading import file_read, load_model
 from ringserve.engine.loading.convert import resolve_model
-from ringserve.engine.loading import file_read
 from ringserve.engine.loading.errors import ModelLoadError
 from ringserve.engine.loading.find import gguf_weights_file
 from ringserve.engine.loading.gguf_blocks import repack, repack_rows
