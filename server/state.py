@@ -14,6 +14,11 @@ if TYPE_CHECKING:  # NOTE: torch loads with the app, after the core is started (
 CPU_STEP_TOKENS = 512  # the served default of --max-num-batched-tokens on the CPU
 
 
+def _nvidia_device_nodes() -> bool:
+    """Whether this machine has an NVIDIA device node (/dev/nvidia0, ...)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
 class Phase(enum.Enum):
     STARTING = "starting"
     READY = "ready"
@@ -78,8 +83,7 @@ class ServeArgs:
         """`startup.pick_device`'s answer, without torch where no NVIDIA device node exists
         (torch would find no CUDA device either): `cli.serve` starts the engine core before
         this process imports torch (engine/core_spawn.py)."""
-        if self.device == "cpu" or (self.device is None
-                                    and not glob.glob("/dev/nvidia[0-9]*")):
+        if self.device == "cpu" or (self.device is None and not _nvidia_device_nodes()):
             return False
         from ringserve.engine.startup import pick_device
 

@@ -26,7 +26,13 @@ def test_a_flag_or_config_value_wins() -> None:
 
 
 def test_cuda_keeps_vllms_2048(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringserve.engine import startup
     from ringserve.server import state
 
-    monkeypatch.setattr(state, "pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(state, "_nvidia_device_nodes", lambda: True)
+    monkeypatch.setattr(startup, "pick_device", lambda name: torch.device("cuda"))
     assert _serve().step_tokens() == 2048
+    # no NVIDIA device node: no CUDA, decided without asking torch (cli.serve starts the
+    # engine core before this process imports torch)
+    monkeypatch.setattr(state, "_nvidia_device_nodes", lambda: False)
+    assert _serve().step_tokens() == CPU_STEP_TOKENS
