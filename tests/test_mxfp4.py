@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from ringserve.engine.loading import mxfp4
+from ringserve.engine.loading import file_read, mxfp4
 from ringserve.engine.loading.mxfp4 import (
     FP4_VALUES,
     dequantize_mxfp4,
@@ -247,8 +247,34 @@ def test_gpt_oss_in_mxfp4_serves_like_transformers(tmp_path: pathlib.Path, out_o
     assert experts and not [m for m in model.modules() if isinstance(m, ExpertWeights)]
     kinds = {type(lin).__name__ for e in experts for lin in [*e.gate_up, *e.down]}
     assert kinds == {"Mxfp4Linear"}, kinds
+    # served as the checkpoint file's own pages (`file_read.map_at`), never copied
+    files = {mapped_file(lin.blocks) for e in experts for lin in [*e.gate_up, *e.down]}
+    assert files == {str(f.resolve()) for f in path.glob("*.safetensors")}, files
     got = RingHarness(model, B, 6 * W).logits_in_chunks(ids, [W, 1, 2 * W])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds ``t``'s first byte (/proc/self/maps), or None."""
+    ptr = t.data_ptr()
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(v, 16) for v in fields[0].split("-"))
+        if start <= ptr < end:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_map_at_is_the_files_pages_and_never_writes_it(tmp_path: pathlib.Path) -> None:
+    data = torch.arange(3 * 4096 + 40, dtype=torch.int32)
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"\1" * 100 + data.numpy().tobytes())
+    with path.open("rb") as handle:
+        t = file_read.map_at(handle.fileno(), 100 + 8, torch.int32, [3, 4096])
+    assert torch.equal(t, data[2:2 + 3 * 4096].view(3, 4096))  # the file closed, still read
+    assert mapped_file(t) == str(path.resolve())
+    t[0, 0] = -1  # copy-on-write: this process's page changes, the file does not
+    assert t[0, 0] == -1 and path.read_bytes()[108:112] == data[2:3].numpy().tobytes()
 
 
 def test_gpt_oss_as_published_with_int16_activations(tmp_path: pathlib.Path) -> None:

@@ -98,8 +98,9 @@ def load_model(
     # read in place where the stored format is the parameter's
     into = {n: p.data for n, p in model.named_parameters()}
     # a GGUF's MXFP4 blocks stay in its nibble order where our kernels serve them
+    # a folder's MXFP4 experts are served as the file's own pages (`file_read.map_at`)
     read = gguf.iter_weights(skip=pending, into=into, mxfp4_split=bool(compact)) \
-        if gguf is not None else iter_weights(path, into=into)
+        if gguf is not None else iter_weights(path, into=into, mapped=_mxfp4_names(compact))
     weights = _take_mxfp4(read, compact, blocks, split=gguf is not None)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
@@ -204,6 +205,12 @@ def _mxfp4_moes(model: nn.Module, stored: dict[str, Any]) -> dict[str, MoE]:
             if type(module) is MoE and all(f"{name}.experts.{p}_{part}" in names
                                             for p in _PROJECTIONS
                                             for part in ("blocks", "scales"))}
+
+
+def _mxfp4_names(moes: dict[str, MoE]) -> set[str]:
+    """The stored names of the MXFP4 blocks and scales of ``moes``."""
+    return {f"{m}.experts.{p}_{part}" for m in moes for p in _PROJECTIONS
+            for part in ("blocks", "scales")}
 
 
 def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE],

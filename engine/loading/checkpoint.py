@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringserve.engine.loading.errors import ModelLoadError, UnsupportedModelError
-from ringserve.engine.loading.file_read import read_at
+from ringserve.engine.loading.file_read import map_at, read_at
 from ringserve.engine.loading.find import no_config_error, weight_files
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def stored_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[i
 
 
 def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] | None = None,
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+                 mapped: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of a folder's safetensors checkpoint, sharded or not.
 
     Tensors come in their stored dtype, on the CPU, each read into memory of its own as it
@@ -87,6 +87,9 @@ def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] 
         into: tensors by stored name to read into where one has the stored dtype and shape
             and is contiguous (a model's parameters): that tensor itself is yielded, and the
             bytes never exist twice.
+        mapped: stored names to yield as the file's own pages, mapped copy-on-write
+            (`file_read.map_at`), never read: for tensors served exactly as stored that a
+            step reads only in part (gpt-oss's MXFP4 experts: 12 of its 13 GB).
 
     Returns:
         An iterator of `(name, tensor)` pairs, names as stored (e.g. `model.embed_tokens.weight`).
@@ -113,6 +116,9 @@ def iter_weights(path: str | os.PathLike[str], into: Mapping[str, torch.Tensor] 
                 if start + end > size:
                     raise ModelLoadError(f"{file.name} is truncated: tensor {name!r} ends at "
                                          f"byte {start + end}, the file has {size}")
+                if name in mapped and end > begin:
+                    yield name, map_at(f.fileno(), start + begin, dtype, entry["shape"])
+                    continue
                 tensor = (into or {}).get(name)
                 if tensor is None or tensor.dtype != dtype or tensor.device.type != "cpu" \
                         or list(tensor.shape) != entry["shape"] or not tensor.is_contiguous():

@@ -8,6 +8,12 @@ these sessions run on; copying from a mapping of the same pages runs at 7-8 GB/s
 2 s). So the bytes are copied from a window of the file mapped for the copy alone and
 unmapped after it: a window is at most `WINDOW` bytes, so at most that much of the file
 ever counts in the process's resident memory, and the file's pages stay page cache.
+
+`map_at` does not copy at all: the tensor is the file's pages, mapped copy-on-write, for
+weights served exactly as stored of which a step reads a few (gpt-oss's MXFP4 experts, 4 of
+32 a layer for a row). They cost no fresh memory and no time at start (copying into fresh
+memory is what bounds a load on these machines: ~1-1.5 GB/s), and count in the resident
+memory once a step has read them, as llama.cpp's mapped weights do.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import mmap
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
-__all__ = ["WINDOW", "read_at"]
+__all__ = ["WINDOW", "map_at", "read_at"]
 
 WINDOW = 32 << 20
 """The most bytes of a file mapped at once."""
@@ -50,3 +57,21 @@ def read_at(fileno: int, offset: int, out: npt.NDArray[np.uint8]) -> bool:
             view.close()
         done += length
     return True
+
+
+def map_at(fileno: int, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor of ``dtype`` and ``shape`` whose bytes start at ``offset`` of the open file
+    ``fileno``, as a copy-on-write mapping of the file (a write, which nothing of ours
+    makes, would change a private copy of its page, never the file). It stays mapped for as
+    long as the tensor (or a view of it) lives; the file may be closed.
+
+    Raises:
+        ValueError: the bytes run past the end of the file.
+    """
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    view = mmap.mmap(fileno, offset - base + nbytes, access=mmap.ACCESS_COPY, offset=base)
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset - base).view(shape)
