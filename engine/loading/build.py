@@ -100,7 +100,7 @@ def load_model(
     # a GGUF's MXFP4 blocks stay in its nibble order where our kernels serve them
     # a folder's MXFP4 experts are served as the file's own pages (`file_read.map_at`)
     read = gguf.iter_weights(skip=pending, into=into, mxfp4_split=bool(compact)) \
-        if gguf is not None else iter_weights(path, into=into, mapped=_mxfp4_names(compact))
+        if gguf is not None else iter_weights(path, into=into, mapped=_mxfp4_names(compact).keys())
     weights = _take_mxfp4(read, compact, blocks, split=gguf is not None)
     model.load_weights(merge_mxfp4(weights))
     _attach_experts(compact, blocks)
@@ -207,9 +207,10 @@ def _mxfp4_moes(model: nn.Module, stored: dict[str, Any]) -> dict[str, MoE]:
                                             for part in ("blocks", "scales"))}
 
 
-def _mxfp4_names(moes: dict[str, MoE]) -> set[str]:
-    """The stored names of the MXFP4 blocks and scales of ``moes``."""
-    return {f"{m}.experts.{p}_{part}" for m in moes for p in _PROJECTIONS
+def _mxfp4_names(moes: dict[str, MoE]) -> dict[str, tuple[str, str]]:
+    """The stored names of the MXFP4 blocks and scales of ``moes``: each one's projection
+    (``<moe>.<projection>``) and part ("blocks" or "scales")."""
+    return {f"{m}.experts.{p}_{part}": (f"{m}.{p}", part) for m in moes for p in _PROJECTIONS
             for part in ("blocks", "scales")}
 
 
@@ -220,8 +221,7 @@ def _take_mxfp4(weights: Iterator[tuple[str, torch.Tensor]], moes: dict[str, MoE
     one `Mxfp4Linear` an expert, over views of the tensors as they were read (the stored
     bytes, never widened or copied), into ``out`` under ``<moe>.<projection>``; ``split``:
     the blocks' nibbles are in GGUF's order."""
-    wanted = {f"{m}.experts.{p}_{part}": (f"{m}.{p}", part) for m in moes
-              for p in _PROJECTIONS for part in ("blocks", "scales")}
+    wanted = _mxfp4_names(moes)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if name not in wanted:

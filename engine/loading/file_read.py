@@ -3,11 +3,12 @@
 Both loaders (safetensors: `checkpoint.iter_weights`; GGUF: `gguf_file.GgufFile`) read
 each tensor into the memory that serves it, one at a time (docs/design.md §12). Plain
 reads (`read`, `preadv`) copy out of the page cache at 1.4-1.6 GB/s on the KVM machines
-these sessions run on; copying from a mapping of the same pages runs at 7-8 GB/s there
-(measured on an AVX2 EPYC, 2 cores: the 3 GB of gpt-oss's 4-layer GGUF in 0.4 s instead of
-2 s). So the bytes are copied from a window of the file mapped for the copy alone and
-unmapped after it: a window is at most `WINDOW` bytes, so at most that much of the file
-ever counts in the process's resident memory, and the file's pages stay page cache.
+these sessions run on; copying from a mapping of the same pages, a window at a time, ran at
+3.5-4.5 GB/s there (an AVX2 EPYC, 2 cores, gpt-oss's 4-layer GGUF read in 8 MiB pieces
+into one buffer, each way alternated). So the bytes are copied from a window of the file
+mapped for the copy alone and unmapped after it: a window is at most `WINDOW` bytes, so at
+most that much of the file ever counts in the process's resident memory, and the file's
+pages stay page cache.
 
 `map_at` does not copy at all: the tensor is the file's pages, mapped copy-on-write, for
 weights served exactly as stored of which a step reads a few (gpt-oss's MXFP4 experts, 4 of
